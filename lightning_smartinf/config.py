@@ -1,0 +1,118 @@
+"""One dataclass per strategy component. Each is a Hydra config group (conf/<group>/) and a strategy keyword.
+
+``SmartInfinityStrategy(offload={"nvme_path": p})`` and ``smartinf-train offload.nvme_path=p`` build the same
+``OffloadConfig``. Cross-field rules live in ``__post_init__`` and name the keys they check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+
+_PLACES = ("nvme", "cpu")
+
+
+def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{key}={value!r} is not one of {', '.join(choices)}")
+
+
+def _check_positive(key: str, value: int, minimum: int = 1) -> None:
+    if value < minimum:
+        raise ValueError(f"{key}={value} must be >= {minimum}")
+
+
+@dataclass
+class OffloadConfig:
+    """Where fp32 master/optimizer state, 16-bit params and gradients live, and how they stream."""
+
+    nvme_path: str = "smartinf_state"
+    """Directory for offloaded state files (an NVMe mount for speed). Created if missing."""
+    params: str = "nvme"
+    """Home of the 16-bit block parameters between uses: ``nvme`` (files) or ``cpu`` (host RAM)."""
+    grads: str = "nvme"
+    """Where fp32 gradients accumulate between backward and the step: ``nvme`` or ``cpu``."""
+    subgroup_size: int = 16_777_216
+    """Elements per subgroup: the unit of the streamed optimizer step (rounded up to 2048)."""
+    prefetch: int = 1
+    """Blocks whose parameters are read ahead of the block running now."""
+    step_lookahead: int = 1
+    """Subgroups whose state is read ahead during the optimizer step."""
+    io_backend: str = "auto"
+    """``auto`` (DeepSpeed aio where it loads, else threads), ``aio`` or ``threads``."""
+    io_threads: int = 4
+    """Concurrent requests (worker threads, each with its own aio handle)."""
+    aio_intra_op_parallelism: int = 1
+    """DeepSpeed aio threads per request (its ``intra_op_parallelism``)."""
+    aio_block_size: int = 1_048_576
+    """DeepSpeed aio block size in bytes."""
+    aio_queue_depth: int = 32
+    """DeepSpeed aio queue depth."""
+    check_free_space: bool = True
+    """Refuse to start when nvme_path has less free space than the planned state."""
+
+    def __post_init__(self) -> None:
+        _check_choice("offload.params", self.params, _PLACES)
+        _check_choice("offload.grads", self.grads, _PLACES)
+        _check_choice("offload.io_backend", self.io_backend, ("auto", "aio", "threads"))
+        _check_positive("offload.subgroup_size", self.subgroup_size, 2048)
+        _check_positive("offload.prefetch", self.prefetch, 0)
+        _check_positive("offload.step_lookahead", self.step_lookahead, 0)
+        _check_positive("offload.io_threads", self.io_threads)
+        _check_positive("offload.aio_intra_op_parallelism", self.aio_intra_op_parallelism)
+        if not self.nvme_path:
+            raise ValueError("offload.nvme_path is empty: give a directory for the offloaded state")
+
+
+@dataclass
+class UpdateConfig:
+    """Where the optimizer update runs."""
+
+    backend: str = "host"
+    """``host``: on the CPU, state streamed from storage through host memory (ZeRO-Infinity)."""
+    host_adam: str = "auto"
+    """Adam/AdamW kernel for the host update: ``deepspeed`` (its CPU Adam op), ``torch``, or ``auto``."""
+
+    def __post_init__(self) -> None:
+        _check_choice("update.backend", self.backend, ("host",))
+        _check_choice("update.host_adam", self.host_adam, ("auto", "deepspeed", "torch"))
+
+
+@dataclass
+class CompressionConfig:
+    """Gradient compression between the training device and the updater."""
+
+    kind: str = "none"
+    """``none``: gradients travel dense."""
+
+    def __post_init__(self) -> None:
+        _check_choice("compression.kind", self.kind, ("none",))
+
+
+@dataclass
+class ScheduleConfig:
+    """Order in which blocks and micro-batches run."""
+
+    kind: str = "horizontal"
+    """``horizontal``: each micro-batch runs through the whole model (works with any module)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("schedule.kind", self.kind, ("horizontal",))
+
+
+T = TypeVar("T")
+
+
+def coerce(cls: type[T], value: T | dict[str, Any] | None, group: str) -> T:
+    """Accept a dataclass instance, a mapping of its fields (a dict or a DictConfig) or None (defaults)."""
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if hasattr(value, "items"):
+        known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(value.keys()) - known)
+        if unknown:
+            raise ValueError(f"unknown {group} keys {unknown}; valid keys: {sorted(known)}")
+        return cls(**dict(value.items()))
+    raise TypeError(f"{group}= takes a dict or a {cls.__name__}, got {type(value).__name__}")

@@ -1,0 +1,257 @@
+"""The offload engine: owns a model's parameters, gradients and optimizer state, and streams them.
+
+Lightning-free: the strategy builds one from config and calls ``backward`` and ``step``. Data flow per iteration
+(docs/engine.md): 16-bit params stream store -> device per block in forward and backward; fp32 gradients leave
+block by block into the gradient store; the step streams subgroups (gradient, master, state) through the updater
+and publishes new 16-bit params to the param store.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_smartinf.config import OffloadConfig, UpdateConfig
+from lightning_smartinf.engine.grads import GradientAccumulator
+from lightning_smartinf.engine.layout import Layout, ParamSlot, Subgroup, build_layout
+from lightning_smartinf.engine.loss_scale import DynamicLossScaler
+from lightning_smartinf.engine.params import ParamStreamer
+from lightning_smartinf.schedule.horizontal import find_blocks, unwrap_blocks, wrap_blocks
+from lightning_smartinf.storage.aligned import align_up, aligned_bytes, typed_view
+from lightning_smartinf.storage.counters import TrafficCounters
+from lightning_smartinf.storage.io import IOBackend, make_backend
+from lightning_smartinf.storage.store import FileStore, HostStore, TensorStore
+from lightning_smartinf.update.base import StepContext, Updater
+from lightning_smartinf.update.cpu_adam import load_cpu_adam
+from lightning_smartinf.update.host import HostUpdater
+from lightning_smartinf.update.optimizers import OptimizerRule, hyperparameters, rule_for
+
+log = logging.getLogger(__name__)
+HOST_LINK = "host"
+
+
+@dataclass
+class StepResult:
+    applied: bool
+    grad_norm: float
+    loss_scale: float
+
+
+def planned_storage_bytes(layout: Layout, rule: OptimizerRule | None, cfg: OffloadConfig, itemsize: int) -> int:
+    """Bytes the state files will take under ``nvme_path`` (each file padded to 4 KiB)."""
+    total = 0
+    for sg in layout.subgroups:
+        fp32 = align_up(sg.numel * 4)
+        total += fp32 * (1 + (len(rule.states) if rule else 0))
+        total += fp32 if cfg.grads == "nvme" else 0
+        streamed = not layout.blocks[sg.block].resident
+        total += align_up(sg.numel * itemsize) if cfg.params == "nvme" and streamed else 0
+    return total
+
+
+def prepare_directory(path: Path, needed: int, check_space: bool) -> None:
+    """Create ``path`` and make sure it can hold ``needed`` bytes, failing before anything is written."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise OSError(f"offload.nvme_path={str(path)!r} cannot be created: {err.strerror}") from err
+    probe = path / ".smartinf_write_probe"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise PermissionError(
+            f"offload.nvme_path={str(path)!r} is not writable ({err.strerror}); point it at a directory you own"
+        ) from err
+    if not check_space:
+        return
+    reusable = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    free = shutil.disk_usage(path).free + reusable
+    if needed > free:
+        raise OSError(
+            f"offload.nvme_path={str(path)!r} has {free / 2**30:.2f} GiB free but the offloaded state needs "
+            f"{needed / 2**30:.2f} GiB: free space, choose another path, or set offload.params=cpu / "
+            "offload.grads=cpu to keep those in host memory"
+        )
+
+
+class OffloadEngine:
+    """Parameters, gradients and optimizer state of one model, offloaded per ``OffloadConfig``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer | None,
+        offload: OffloadConfig,
+        update: UpdateConfig,
+        device: torch.device,
+        param_dtype: torch.dtype,
+        loss_scaling: bool = False,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.cfg = offload
+        self.device = device
+        self.param_dtype = param_dtype
+        self.itemsize = torch.empty((), dtype=param_dtype).element_size()
+        self.counters = TrafficCounters()
+        self.scaler = DynamicLossScaler() if loss_scaling else None
+        self.rule = rule_for(optimizer) if optimizer is not None else None
+        self.clip_norm: float | None = None
+        self.step_count = 0
+        self.micro_batches = 0
+
+        block_list = find_blocks(model)
+        self.block_modules = [m for _, m in block_list]
+        groups = [g["params"] for g in optimizer.param_groups] if optimizer else [list(model.parameters())]
+        self.layout = build_layout(model, block_list, groups, offload.subgroup_size)
+
+        root = Path(offload.nvme_path).expanduser().resolve()
+        needed = planned_storage_bytes(self.layout, self.rule, offload, self.itemsize)
+        prepare_directory(root, needed, offload.check_free_space)
+        self.root = root
+        self.backend: IOBackend = make_backend(
+            offload.io_backend, root, offload.io_threads, offload.aio_intra_op_parallelism,
+            offload.aio_block_size, offload.aio_queue_depth,
+        )  # fmt: skip
+        log.info("smart_infinity storage backend: %s", self.backend.name)
+        disk = FileStore(root, self.backend, self.counters, HOST_LINK)
+        pin = device.type == "cuda"
+        param_store: TensorStore = disk if offload.params == "nvme" else HostStore(pin=pin)
+        grad_store: TensorStore = disk if offload.grads == "nvme" else HostStore()
+        self.params = ParamStreamer(self.layout, param_store, param_dtype, device, offload.prefetch)
+        self.grads = GradientAccumulator(self.layout, grad_store, offload.step_lookahead)
+        self.updater: Updater | None = None
+        if self.rule is not None:
+            if update.backend != "host":
+                raise AssertionError(update.backend)
+            kernel = load_cpu_adam(update.host_adam) if self.rule.name in ("adam", "adamw") else None
+            self.updater = HostUpdater(
+                self.rule, disk, self.layout.max_subgroup_numel, offload.step_lookahead, kernel
+            )
+        self._grad_flat = aligned_bytes(self.layout.max_block_numel * 4)
+        self._initialize()
+
+    # -- set-up -------------------------------------------------------------------------------------------------
+    def _initialize(self) -> None:
+        if self.updater is not None:
+            self.updater.initialize(self.layout.subgroups, self._initial_master)
+        self.params.initialize()
+        wrap_blocks(self, self.block_modules)
+
+    def _initial_master(self, sg: Subgroup) -> torch.Tensor:
+        block = self.layout.blocks[sg.block]
+        flat = torch.zeros(sg.numel, dtype=torch.float32)
+        for slot in block.slots:
+            lo, hi = max(slot.offset, sg.offset), min(slot.offset + slot.numel, sg.offset + sg.numel)
+            if lo < hi:
+                values = slot.param.data.reshape(-1)[lo - slot.offset : hi - slot.offset]
+                flat[lo - sg.offset : hi - sg.offset].copy_(values)
+        return flat
+
+    @property
+    def host_memory_bytes(self) -> int:
+        """Host memory held by the engine's buffer pools (fixed at set-up)."""
+        pools = self.params.host_bytes + self.grads.host_bytes + self._grad_flat.numel()
+        return pools + (getattr(self.updater, "host_bytes", 0) or 0)
+
+    # -- the schedule's hooks (BlockRunner) ------------------------------------------------------------------------
+    def enter_block(self, index: int, backward: bool) -> None:
+        self.params.fetch(index)
+        step = -1 if backward else 1
+        for ahead in range(1, self.cfg.prefetch + 1):
+            self.params.prefetch(index + step * ahead)
+
+    def exit_block(self, index: int, backward: bool) -> None:
+        self.params.release(index)
+
+    def collect_block_grads(self, index: int) -> None:
+        block = self.layout.blocks[index]
+        flat = typed_view(self._grad_flat, torch.float32, block.numel)
+        self._gather_grads(block.slots, flat)
+        self.grads.add_block(block, flat)
+
+    @staticmethod
+    def _gather_grads(slots: list[ParamSlot], flat: torch.Tensor) -> None:
+        flat.zero_()
+        for slot in slots:
+            if slot.param.grad is not None:
+                flat[slot.offset : slot.offset + slot.numel].copy_(slot.param.grad.reshape(-1))
+                slot.param.grad = None
+
+    # -- training ---------------------------------------------------------------------------------------------------
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scaler.scale if self.scaler is not None else loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate one micro-batch and move the resident block's gradients into the gradient store."""
+        self.scale_loss(loss).backward()
+        resident = self.layout.resident
+        if resident.numel:
+            flat = torch.zeros(resident.numel, dtype=torch.float32)
+            self._gather_grads(resident.slots, flat)
+            self.grads.add_block(resident, flat)
+        self.micro_batches += 1
+
+    def step(self) -> StepResult:
+        """Apply one optimizer step to every subgroup (or skip it on fp16 overflow), then reset the gradients."""
+        if self.updater is None or self.optimizer is None:
+            raise RuntimeError("this engine was built without an optimizer")
+        self.params.release_all()
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        # GradScaler's fp32 reciprocal, then clip_grad_norm_'s fp32 coefficient on the unscaled norm
+        inv_scale = float(torch.tensor(scale, dtype=torch.float64).reciprocal().float())
+        norm = self.grads.global_norm() * inv_scale
+        found_inf = not bool(torch.isfinite(norm))
+        if self.scaler is not None:
+            self.scaler.update(found_inf)
+            if found_inf:
+                self.grads.reset()
+                self.micro_batches = 0
+                return StepResult(False, float(norm), scale)
+        clip_coef = 1.0
+        if self.clip_norm is not None and self.clip_norm > 0:
+            clip_coef = float(torch.clamp(self.clip_norm / (norm + 1e-6), max=1.0))
+        self.step_count += 1
+        ctx = StepContext(self.step_count, hyperparameters(self.optimizer), inv_scale, clip_coef)
+        for sg, master in self.updater.step(self.layout.subgroups, self.grads, ctx):
+            self.params.store_update(sg, master)
+        self.params.flush()
+        self.grads.reset()
+        self.micro_batches = 0
+        return StepResult(True, float(norm), scale)
+
+    def republish_params(self) -> None:
+        """Rewrite every 16-bit parameter from its fp32 master (after the masters were restored)."""
+        assert self.updater is not None
+        self.params.release_all()
+        for sg in self.layout.subgroups:
+            self.params.store_update(sg, self.updater.read_master(sg))
+        self.params.flush()
+
+    # -- inspection ----------------------------------------------------------------------------------------------
+    def master_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter's fp32 master value, by parameter name (reads the whole state: for tests and export)."""
+        if self.updater is None:
+            raise RuntimeError("no master weights: this engine was built without an optimizer")
+        out: dict[str, torch.Tensor] = {}
+        for block in self.layout.blocks:
+            flat = torch.zeros(block.numel, dtype=torch.float32)
+            for sg in block.subgroups:
+                flat[sg.offset : sg.offset + sg.numel] = self.updater.read_master(sg)
+            for slot in block.slots:
+                out[slot.name] = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+        return out
+
+    def close(self) -> None:
+        self.params.release_all()
+        unwrap_blocks(self.block_modules)
+        if self.updater is not None:
+            self.updater.close()
+        self.backend.close()

@@ -1,0 +1,91 @@
+"""Accumulates fp32 gradients per subgroup across micro-batches, in a store (NVMe or host RAM), for the step.
+
+Backward hands over one block's gradients at a time. The first micro-batch after a step writes each subgroup's
+gradient; later ones read, add and write back (ZeRO-Infinity's NVMe gradient path). Each write also records the
+subgroup's gradient norm and finiteness, so the global norm for clipping and the fp16 overflow check are known
+when backward ends, without another pass over the gradients.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import torch
+
+from lightning_smartinf.engine.layout import Block, Layout, Subgroup
+from lightning_smartinf.storage.aligned import BufferPool, typed_view
+from lightning_smartinf.storage.store import TensorStore, done_future
+
+GRAD = "grad"
+
+
+class GradientAccumulator:
+    def __init__(self, layout: Layout, store: TensorStore, lookahead: int) -> None:
+        self.layout = layout
+        self.store = store
+        max_numel = layout.max_subgroup_numel
+        # backward's in-flight writes plus the step's read-ahead
+        self.pool = BufferPool(lookahead + 3, max_numel * 4)
+        self._held: dict[int, torch.Tensor] = {}
+        self._written: set[int] = set()
+        self._norms: dict[int, torch.Tensor] = {}
+        self._pending: list[Future[None]] = []
+
+    @property
+    def host_bytes(self) -> int:
+        return self.pool.total_bytes
+
+    def add_block(self, block: Block, flat_grad: torch.Tensor) -> None:
+        """Accumulate a block's flat fp32 gradient (block layout, host memory) into its subgroups."""
+        for sg in block.subgroups:
+            self.add_subgroup(sg, flat_grad[sg.offset : sg.offset + sg.numel])
+
+    def add_subgroup(self, sg: Subgroup, grad: torch.Tensor) -> None:
+        raw = self.pool.acquire(sg.numel * 4)
+        acc = typed_view(raw, torch.float32, sg.numel)
+        if sg.index in self._written:
+            self._wait_pending()  # an earlier write of this subgroup may still be in flight
+            self.store.read(GRAD, sg.key, raw, sg.numel * 4).result()
+            acc.add_(grad)
+        else:
+            acc.copy_(grad)
+        self._norms[sg.index] = torch.linalg.vector_norm(acc)
+        write = self.store.write(GRAD, sg.key, raw, sg.numel * 4)
+        write.add_done_callback(lambda _f: self.pool.release(raw))
+        self._pending.append(write)
+        self._written.add(sg.index)
+
+    def _wait_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for write in pending:
+            write.result()
+
+    def global_norm(self) -> torch.Tensor:
+        """fp32 L2 norm over every accumulated gradient, combined as clip_grad_norm_ does (inf/nan if any is)."""
+        if not self._norms:
+            return torch.zeros(())
+        return torch.linalg.vector_norm(torch.stack(list(self._norms.values())))
+
+    # -- GradientSource, for the updater --------------------------------------------------------------------------
+    def fetch(self, sg: Subgroup) -> Future[torch.Tensor]:
+        self._wait_pending()
+        raw = self.pool.acquire(sg.numel * 4)
+        self._held[sg.index] = raw
+        grad = typed_view(raw, torch.float32, sg.numel)
+        if sg.index not in self._written:  # no gradient reached this subgroup: it steps with zeros
+            grad.zero_()
+            read: Future[None] = done_future()
+        else:
+            read = self.store.read(GRAD, sg.key, raw, sg.numel * 4)
+        out: Future[torch.Tensor] = Future()
+        read.add_done_callback(lambda f: out.set_exception(f.exception()) if f.exception() else out.set_result(grad))
+        return out
+
+    def release(self, sg: Subgroup) -> None:
+        self.pool.release(self._held.pop(sg.index))
+
+    def reset(self) -> None:
+        """Forget the accumulated gradients (after a step, applied or skipped)."""
+        self._wait_pending()
+        self._written.clear()
+        self._norms.clear()

@@ -1,0 +1,157 @@
+"""How the model's parameters map onto blocks, flat buffers and subgroups.
+
+A *block* is a unit that is streamed: one transformer layer, say. Parameters outside every block form the
+*resident* block (embeddings, final norm, head), which stays on the training device. Each block is one flat
+buffer; its parameters sit in optimizer-param-group order, each group's region starting on a 2048-element
+boundary. Every region is cut into *subgroups* of at most ``subgroup_size`` elements, again on 2048-element
+boundaries, so every subgroup starts 4096-byte aligned in a 16-bit or fp32 buffer and can be read with O_DIRECT
+straight into its place. A subgroup is the unit of the optimizer step and of every state file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+ELEMENT_ALIGN = 2048
+
+
+def round_up(n: int, multiple: int = ELEMENT_ALIGN) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+@dataclass
+class ParamSlot:
+    """One parameter's place in its block's flat buffer."""
+
+    name: str
+    param: nn.Parameter
+    offset: int
+    numel: int
+    shape: torch.Size
+
+
+@dataclass
+class Subgroup:
+    """A contiguous range of one block's flat buffer, all in one optimizer param group."""
+
+    index: int
+    block: int
+    param_group: int
+    offset: int
+    numel: int
+
+    @property
+    def key(self) -> str:
+        return f"sg{self.index:06d}"
+
+
+@dataclass
+class Block:
+    index: int
+    name: str
+    module: nn.Module | None
+    resident: bool
+    numel: int = 0
+    slots: list[ParamSlot] = field(default_factory=list)
+    subgroups: list[Subgroup] = field(default_factory=list)
+
+    @property
+    def params(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+
+@dataclass
+class Layout:
+    blocks: list[Block]
+    subgroups: list[Subgroup]
+
+    @property
+    def num_params(self) -> int:
+        return sum(b.params for b in self.blocks)
+
+    @property
+    def max_subgroup_numel(self) -> int:
+        return max(sg.numel for sg in self.subgroups)
+
+    @property
+    def max_block_numel(self) -> int:
+        return max(b.numel for b in self.blocks if not b.resident)
+
+    @property
+    def streamed(self) -> list[Block]:
+        return [b for b in self.blocks if not b.resident]
+
+    @property
+    def resident(self) -> Block:
+        return self.blocks[0]
+
+
+def build_layout(
+    model: nn.Module,
+    block_modules: Sequence[tuple[str, nn.Module]],
+    param_groups: Sequence[Sequence[nn.Parameter]],
+    subgroup_size: int,
+) -> Layout:
+    """Place every parameter of ``model`` into a block, a flat offset and a subgroup.
+
+    ``param_groups`` lists the optimizer's parameters per group; every trainable parameter must be in exactly one.
+    """
+    group_of: dict[int, int] = {}
+    for gi, group in enumerate(param_groups):
+        for p in group:
+            if id(p) in group_of:
+                raise ValueError("a parameter appears in two optimizer param groups")
+            group_of[id(p)] = gi
+    names = {id(p): n for n, p in model.named_parameters()}
+    for pid in group_of:
+        if pid not in names:
+            raise ValueError("the optimizer holds a parameter that is not in the LightningModule")
+    missing = [n for n, p in model.named_parameters() if id(p) not in group_of]
+    if missing:
+        raise ValueError(
+            f"parameters {missing[:5]}{'...' if len(missing) > 5 else ''} are not in the optimizer; smart_infinity "
+            "keeps master weights for every parameter, so pass all of them to the optimizer (frozen parameters "
+            "are not supported yet)"
+        )
+
+    in_block: set[int] = set()
+    blocks = [Block(0, "resident", None, resident=True)]
+    for name, module in block_modules:
+        block = Block(len(blocks), name, module, resident=False)
+        for pname, p in module.named_parameters(prefix=name):
+            if id(p) in in_block:
+                raise ValueError(f"parameter {pname} is shared between blocks; shared weights must be resident")
+            in_block.add(id(p))
+            block.slots.append(ParamSlot(names[id(p)], p, 0, p.numel(), p.shape))
+        blocks.append(block)
+    for name, p in model.named_parameters():
+        if id(p) not in in_block:
+            blocks[0].slots.append(ParamSlot(name, p, 0, p.numel(), p.shape))
+
+    rounded = round_up(subgroup_size)
+    subgroups: list[Subgroup] = []
+    for block in blocks:
+        offset = 0
+        for gi in range(len(param_groups)):
+            region = [s for s in block.slots if group_of[id(s.param)] == gi]
+            if not region:
+                continue
+            start = offset
+            for slot in region:
+                slot.offset = offset
+                offset += slot.numel
+            for sg_start in range(start, offset, rounded):
+                numel = min(rounded, offset - sg_start)
+                sg = Subgroup(len(subgroups), block.index, gi, sg_start, numel)
+                subgroups.append(sg)
+                block.subgroups.append(sg)
+            offset = round_up(offset)
+        block.slots.sort(key=lambda s: s.offset)
+        block.numel = offset
+    if not blocks[0].slots:
+        blocks[0].numel = 0
+    return Layout(blocks, subgroups)

@@ -1,0 +1,136 @@
+"""Streams each block's 16-bit parameters from their store to the training device and back out of it.
+
+A streamed block's parameters are empty tensors except while the block runs: ``fetch`` waits for (or starts) the
+read of every subgroup of the block into one aligned buffer and points the parameters at views of it (on a CUDA
+device, at a device copy); ``release`` empties them again. ``prefetch`` starts reads early when a buffer is free, so
+at most ``prefetch + 2`` blocks occupy memory. The resident block lives on the device for the whole run.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import torch
+
+from lightning_smartinf.engine.layout import Block, Layout, Subgroup
+from lightning_smartinf.storage.aligned import BufferPool, typed_view
+from lightning_smartinf.storage.store import TensorStore
+
+PARAM = "param"
+
+
+class ParamStreamer:
+    def __init__(
+        self, layout: Layout, store: TensorStore, dtype: torch.dtype, device: torch.device, prefetch: int
+    ) -> None:
+        self.layout = layout
+        self.store = store
+        self.dtype = dtype
+        self.device = device
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        pin = device.type == "cuda"
+        self.pool = BufferPool(prefetch + 2, layout.max_block_numel * self.itemsize, pin=pin)
+        self.out_pool = BufferPool(3, layout.max_subgroup_numel * self.itemsize, pin=pin)
+        self._loading: dict[int, tuple[torch.Tensor, list[Future[None]]]] = {}
+        self._live: dict[int, torch.Tensor] = {}
+        self._pending_writes: list[Future[None]] = []
+        self.resident_flat = torch.zeros(layout.resident.numel, dtype=dtype, device=device)
+        self._empty = torch.empty(0, dtype=dtype, device=device)
+
+    @property
+    def host_bytes(self) -> int:
+        return self.pool.total_bytes + self.out_pool.total_bytes
+
+    # -- set-up -------------------------------------------------------------------------------------------------
+    def initialize(self) -> None:
+        """Take ownership of the model's parameters: resident ones onto the device, streamed ones into the store."""
+        resident = self.layout.resident
+        for slot in resident.slots:
+            view = self.resident_flat[slot.offset : slot.offset + slot.numel]
+            view.copy_(slot.param.data.reshape(-1))
+            slot.param.data = view.view(slot.shape)
+        for block in self.layout.streamed:
+            raw = self.pool.acquire(block.numel * self.itemsize)
+            flat = typed_view(raw, self.dtype, block.numel)
+            for slot in block.slots:
+                flat[slot.offset : slot.offset + slot.numel].copy_(slot.param.data.reshape(-1))
+                slot.param.data = self._empty
+            writes = [self.store.write(PARAM, sg.key, self._sg_bytes(raw, sg), sg.numel * self.itemsize)
+                      for sg in block.subgroups]  # fmt: skip
+            for write in writes:
+                write.result()
+            self.pool.release(raw)
+
+    def _sg_bytes(self, raw: torch.Tensor, sg: Subgroup) -> torch.Tensor:
+        return raw[sg.offset * self.itemsize :]
+
+    # -- streaming ----------------------------------------------------------------------------------------------
+    def prefetch(self, index: int) -> None:
+        if index in self._loading or index in self._live or not 0 < index < len(self.layout.blocks):
+            return
+        raw = self.pool.try_acquire()
+        if raw is not None:
+            self._start_read(self.layout.blocks[index], raw)
+
+    def _start_read(self, block: Block, raw: torch.Tensor) -> None:
+        reads = [self.store.read(PARAM, sg.key, self._sg_bytes(raw, sg), sg.numel * self.itemsize)
+                 for sg in block.subgroups]  # fmt: skip
+        self._loading[block.index] = (raw, reads)
+
+    def fetch(self, index: int) -> None:
+        """Materialise block ``index``'s parameters on the device (blocking until its reads are done)."""
+        if index in self._live:
+            return
+        block = self.layout.blocks[index]
+        if index not in self._loading:
+            self._start_read(block, self.pool.acquire(block.numel * self.itemsize))
+        raw, reads = self._loading.pop(index)
+        for read in reads:
+            read.result()
+        flat = typed_view(raw, self.dtype, block.numel)
+        if self.device.type != "cpu":
+            flat = flat.to(self.device)
+            self.pool.release(raw)
+        else:
+            self._live[index] = raw
+        for slot in block.slots:
+            slot.param.data = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        if self.device.type != "cpu":
+            self._live[index] = flat
+
+    def release(self, index: int) -> None:
+        held = self._live.pop(index, None)
+        if held is None:
+            return
+        for slot in self.layout.blocks[index].slots:
+            slot.param.data = self._empty
+        if self.device.type == "cpu":
+            self.pool.release(held)
+
+    def release_all(self) -> None:
+        for index in list(self._live):
+            self.release(index)
+        for index, (raw, reads) in list(self._loading.items()):
+            for read in reads:
+                read.result()
+            self.pool.release(raw)
+        self._loading.clear()
+
+    # -- after the step -----------------------------------------------------------------------------------------
+    def store_update(self, sg: Subgroup, master: torch.Tensor) -> None:
+        """Publish a subgroup's new fp32 master as the 16-bit parameters the next forward pass reads."""
+        block = self.layout.blocks[sg.block]
+        if block.resident:
+            self.resident_flat[sg.offset : sg.offset + sg.numel].copy_(master)
+            return
+        raw = self.out_pool.acquire(sg.numel * self.itemsize)
+        typed_view(raw, self.dtype, sg.numel).copy_(master)
+        write = self.store.write(PARAM, sg.key, raw, sg.numel * self.itemsize)
+        write.add_done_callback(lambda _f: self.out_pool.release(raw))
+        self._pending_writes.append(write)
+
+    def flush(self) -> None:
+        """Wait for parameter write-backs (and raise their errors)."""
+        writes, self._pending_writes = self._pending_writes, []
+        for write in writes:
+            write.result()

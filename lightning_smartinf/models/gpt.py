@@ -1,0 +1,172 @@
+"""A GPT LightningModule with GPT-3 shapes: pre-LayerNorm blocks, causal scaled_dot_product_attention, tied head.
+
+Every recipe trains this module. Its transformer blocks sit in one ``nn.ModuleList``, which is what the
+horizontal schedule streams; embeddings, the final norm and the tied head stay resident.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class GPTConfig:
+    """Shape of the network. Parameters: 12 * n_layer * n_embd^2 + (vocab_size + block_size) * n_embd + ..."""
+
+    n_layer: int = 2
+    """Transformer blocks."""
+    n_head: int = 4
+    """Attention heads; must divide n_embd."""
+    n_embd: int = 128
+    """Model width."""
+    vocab_size: int = 256
+    """Token ids; 256 covers the byte-level tokenizer, GPT-3 recipes use 50304 for its shapes."""
+    block_size: int = 256
+    """Longest sequence (position embeddings)."""
+    dropout: float = 0.0
+    """Dropout after attention and MLP."""
+    bias: bool = True
+    """Bias in Linear and LayerNorm layers, as in GPT-2/3."""
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"model.n_embd={self.n_embd} must be divisible by model.n_head={self.n_head}")
+        if self.vocab_size < 256:
+            raise ValueError(f"model.vocab_size={self.vocab_size} must be >= 256 for byte-level tokens")
+
+    def num_params(self) -> int:
+        d, layer_bias = self.n_embd, (13 if self.bias else 0)
+        per_layer = 12 * d * d + layer_bias * d
+        return self.n_layer * per_layer + (self.vocab_size + self.block_size) * d + (2 if self.bias else 1) * d
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        # (b, t, 3c) -> 3 x (b, n_head, t, head_dim)
+        q, k, v = self.qkv(x).view(b, t, 3, self.n_head, c // self.n_head).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.out = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln_1(x)))
+        return x + self.drop(self.out(F.gelu(self.fc(self.ln_2(x)))))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.apply(self._init_weights)
+        for block in self.blocks:  # GPT-2's scaled init of residual projections
+            for proj in (block.attn.proj, block.out):
+                nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """(b, t) token ids -> (b, t, vocab) logits; the head is tied to the token embedding."""
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        return F.linear(self.ln_f(x), self.wte.weight)
+
+
+class GPTModule(pl.LightningModule):
+    """Next-token prediction on (b, t+1) token windows, with AdamW and optional linear warmup."""
+
+    def __init__(
+        self,
+        model: GPTConfig | None = None,
+        lr: float = 3e-4,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 0,
+        optimizer: str = "adamw",
+    ) -> None:
+        super().__init__()
+        self.cfg = model or GPTConfig()
+        self.gpt = GPT(self.cfg)
+        self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
+        self.warmup_steps = warmup_steps
+        self.optimizer_name = optimizer
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.gpt(idx)
+
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        logits = self(batch[:, :-1])
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("val_loss", loss, prog_bar=True)
+        return loss
+
+    def test_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("test_loss", loss)
+        return loss
+
+    def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self(batch[:, :-1]).argmax(-1)
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        params = list(self.parameters())
+        if self.optimizer_name == "adamw":
+            opt: torch.optim.Optimizer = torch.optim.AdamW(
+                params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay
+            )
+        elif self.optimizer_name == "adam":
+            opt = torch.optim.Adam(params, lr=self.lr, betas=self.betas)
+        elif self.optimizer_name == "sgd":
+            opt = torch.optim.SGD(params, lr=self.lr, momentum=0.9, weight_decay=self.weight_decay)
+        elif self.optimizer_name == "adagrad":
+            opt = torch.optim.Adagrad(params, lr=self.lr, weight_decay=self.weight_decay)
+        else:
+            raise ValueError(f"optim.name={self.optimizer_name!r} is not one of adamw, adam, sgd, adagrad")
+        if not self.warmup_steps:
+            return opt
+        warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / self.warmup_steps))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}

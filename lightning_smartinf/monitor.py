@@ -1,0 +1,104 @@
+"""A callback that shows what the offload engine is doing: tokens/s and link traffic, every step, and a summary.
+
+The strategy adds it to the Trainer on set-up, so ``Trainer(strategy="smart_infinity")`` users see throughput and
+bytes moved in the progress bar and in every logger, and get a per-kind traffic table when fitting ends.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+
+def count_tokens(module: pl.LightningModule, batch: Any) -> int:
+    """Tokens trained in ``batch``: the module's ``tokens_in_batch`` if it has one, else the batch's elements."""
+    custom = getattr(module, "tokens_in_batch", None)
+    if callable(custom):
+        return int(custom(batch))
+    first = batch[0] if isinstance(batch, list | tuple) else batch
+    return int(first.numel()) if isinstance(first, torch.Tensor) else 0
+
+
+class SmartInfinityMonitor(Callback):
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.step_tokens = 0
+        self.started = 0.0
+        self.step_started = 0.0
+        self.last_bytes = 0
+        self.summary: dict[str, Any] = {}
+
+    @staticmethod
+    def _engine(trainer: pl.Trainer) -> Any:
+        return getattr(trainer.strategy, "engine", None)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.started = self.step_started = time.perf_counter()
+        engine = self._engine(trainer)
+        self.last_bytes = engine.counters.total(link="host") if engine else 0
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        tokens = count_tokens(pl_module, batch)
+        self.tokens += tokens
+        self.step_tokens += tokens
+        engine = self._engine(trainer)
+        if engine is None or engine.micro_batches:  # mid-accumulation: the step has not run yet
+            return
+        now = time.perf_counter()
+        elapsed = max(now - self.step_started, 1e-9)
+        host = engine.counters.total(link="host")
+        metrics = {
+            "tok_s": self.step_tokens / elapsed,
+            "host_GBps": (host - self.last_bytes) / elapsed / 1e9,
+            "host_GB": host / 1e9,
+        }
+        pl_module.log_dict(metrics, prog_bar=True, on_step=True, on_epoch=False)
+        self.step_started, self.step_tokens, self.last_bytes = now, 0, host
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        engine = self._engine(trainer)
+        if engine is None:
+            return
+        seconds = time.perf_counter() - self.started
+        steps = max(engine.step_count, 1)
+        params = engine.layout.num_params
+        table = engine.counters.table()
+        self.summary = {
+            "seconds": seconds,
+            "tokens": self.tokens,
+            "tokens_per_s": self.tokens / max(seconds, 1e-9),
+            "optimizer_steps": engine.step_count,
+            "params": params,
+            "storage_backend": engine.backend.name,
+            "updater": engine.updater.name if engine.updater else None,
+            "engine_host_buffers_MiB": engine.host_memory_bytes / 2**20,
+            "traffic_bytes": table,
+            "host_link_bytes_per_param_per_step": engine.counters.total(link="host") / params / steps,
+        }
+        if trainer.is_global_zero:
+            print(format_summary(self.summary))
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    lines = [
+        "smart_infinity summary",
+        f"  {summary['optimizer_steps']} steps, {summary['tokens']:,} tokens in {summary['seconds']:.1f} s "
+        f"({summary['tokens_per_s']:,.0f} tokens/s); {summary['params']:,} parameters",
+        f"  storage: {summary['storage_backend']}",
+        f"  update:  {summary['updater']}; engine host buffers {summary['engine_host_buffers_MiB']:.1f} MiB",
+        f"  host link: {summary['host_link_bytes_per_param_per_step']:.2f} B/param/step (params, grads, state)",
+    ]
+    for link_dir, kinds in summary["traffic_bytes"].items():
+        parts = ", ".join(f"{kind} {n / 2**20:.1f} MiB" for kind, n in kinds.items())
+        lines.append(f"  {link_dir:12s} {parts}")
+    return "\n".join(lines)

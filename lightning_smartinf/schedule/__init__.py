@@ -1,0 +1,1 @@
+"""Schedules: the order in which blocks and micro-batches run."""

@@ -1,0 +1,167 @@
+"""Asynchronous file I/O backends: DeepSpeed's async I/O op (libaio, O_DIRECT) or a thread pool of pread/pwrite.
+
+Both take page-aligned uint8 buffers whose length is a multiple of 4096 and return futures, so the layers above
+overlap I/O with compute without knowing which backend runs. Each worker thread owns its own DeepSpeed handle:
+``sync_pread``/``sync_pwrite`` release the GIL, and a handle serialises its requests behind one mutex.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from lightning_smartinf.storage.aligned import ALIGNMENT, aligned_bytes
+
+log = logging.getLogger(__name__)
+
+
+class IOBackend(Protocol):
+    name: str
+    direct: bool
+
+    def read(self, path: Path, buffer: torch.Tensor) -> Future[None]: ...
+
+    def write(self, path: Path, buffer: torch.Tensor) -> Future[None]: ...
+
+    def close(self) -> None: ...
+
+
+def supports_o_direct(directory: Path) -> bool:
+    """Whether files in ``directory`` can be opened with O_DIRECT (tmpfs and some overlay filesystems cannot)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    probe = directory / f".o_direct_probe_{uuid.uuid4().hex}"
+    buffer = aligned_bytes(ALIGNMENT)
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+        try:
+            os.pwrite(fd, memoryview(buffer.numpy()), 0)
+        finally:
+            os.close(fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+class ThreadPoolIO:
+    """pread/pwrite from worker threads; O_DIRECT when the filesystem allows it, buffered otherwise."""
+
+    def __init__(self, threads: int, direct: bool) -> None:
+        self.direct = direct
+        self.name = f"threads(pread/pwrite{', O_DIRECT' if direct else ', buffered'}, {threads} threads)"
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="smartinf-io")
+        self._flag = os.O_DIRECT if direct else 0
+
+    def _read(self, path: Path, buffer: torch.Tensor) -> None:
+        view = memoryview(buffer.numpy())
+        fd = os.open(path, os.O_RDONLY | self._flag)
+        try:
+            done = 0
+            while done < len(view):
+                n = os.preadv(fd, [view[done:]], done)
+                if n == 0:
+                    raise EOFError(f"{path}: file ends at {done} bytes, {len(view)} expected")
+                done += n
+        finally:
+            os.close(fd)
+
+    def _write(self, path: Path, buffer: torch.Tensor) -> None:
+        view = memoryview(buffer.numpy())
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | self._flag, 0o644)
+        try:
+            done = 0
+            while done < len(view):
+                done += os.pwritev(fd, [view[done:]], done)
+        finally:
+            os.close(fd)
+
+    def read(self, path: Path, buffer: torch.Tensor) -> Future[None]:
+        return self._pool.submit(self._read, path, buffer)
+
+    def write(self, path: Path, buffer: torch.Tensor) -> Future[None]:
+        return self._pool.submit(self._write, path, buffer)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class DeepSpeedAIO:
+    """DeepSpeed's ``aio_handle`` (libaio, O_DIRECT), one handle per worker thread."""
+
+    def __init__(self, threads: int, intra_op_parallelism: int, block_size: int, queue_depth: int) -> None:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        self._module: Any = AsyncIOBuilder().load(verbose=False)
+        self._handle_args = (block_size, queue_depth, False, True, intra_op_parallelism)
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="smartinf-aio")
+        self.direct = True
+        self.name = (
+            f"deepspeed-aio(libaio, O_DIRECT, {threads} handles x intra_op_parallelism={intra_op_parallelism}, "
+            f"block_size={block_size}, queue_depth={queue_depth})"
+        )
+
+    def _handle(self) -> Any:
+        handle = getattr(self._local, "handle", None)
+        if handle is None:
+            handle = self._local.handle = self._module.aio_handle(*self._handle_args)
+        return handle
+
+    def _read(self, path: Path, buffer: torch.Tensor) -> None:
+        if self._handle().sync_pread(buffer, str(path)) < 0:
+            raise OSError(f"deepspeed aio read of {buffer.numel()} bytes from {path} failed")
+
+    def _write(self, path: Path, buffer: torch.Tensor) -> None:
+        if self._handle().sync_pwrite(buffer, str(path)) < 0:
+            raise OSError(f"deepspeed aio write of {buffer.numel()} bytes to {path} failed")
+
+    def read(self, path: Path, buffer: torch.Tensor) -> Future[None]:
+        return self._pool.submit(self._read, path, buffer)
+
+    def write(self, path: Path, buffer: torch.Tensor) -> Future[None]:
+        return self._pool.submit(self._write, path, buffer)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def deepspeed_aio_available() -> bool:
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        return bool(AsyncIOBuilder().is_compatible(verbose=False))
+    except Exception:  # noqa: BLE001 - any import or probe failure means "not available"
+        return False
+
+
+def make_backend(
+    kind: str, directory: Path, threads: int, intra_op_parallelism: int, block_size: int, queue_depth: int
+) -> IOBackend:
+    """Build the I/O backend named by ``offload.io_backend`` (``auto``, ``aio`` or ``threads``) for ``directory``."""
+    direct = supports_o_direct(directory)
+    if not direct:
+        log.warning(
+            "%s does not support O_DIRECT (tmpfs or an overlay filesystem?): using buffered pread/pwrite; "
+            "put offload.nvme_path on an ext4/xfs NVMe mount for real throughput",
+            directory,
+        )
+        if kind == "aio":
+            raise ValueError(f"offload.io_backend=aio needs O_DIRECT, which {directory} does not support")
+        return ThreadPoolIO(threads, direct=False)
+    if kind in ("auto", "aio"):
+        try:
+            return DeepSpeedAIO(threads, intra_op_parallelism, block_size, queue_depth)
+        except Exception as err:  # noqa: BLE001 - the op may fail to compile; fall back unless it was demanded
+            if kind == "aio":
+                raise RuntimeError(f"offload.io_backend=aio but DeepSpeed's async_io op did not load: {err}") from err
+            log.warning("DeepSpeed async_io op unavailable (%s); using the thread-pool backend", err)
+    return ThreadPoolIO(threads, direct=True)

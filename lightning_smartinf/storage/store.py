@@ -1,0 +1,92 @@
+"""A directory of named flat tensors, read and written asynchronously into caller-owned aligned buffers.
+
+Names are ``(kind, key)``: ``("master", "sg00003")`` is subgroup 3's fp32 master copy. The kind is what the byte
+counters are keyed by. ``FileStore`` keeps one file per name (one writer per file, O_DIRECT friendly);
+``HostStore`` keeps the same names in host memory, for ``offload.params=cpu`` and ``offload.grads=cpu``.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from lightning_smartinf.storage.aligned import align_up, aligned_bytes
+from lightning_smartinf.storage.counters import READ, WRITE, TrafficCounters
+from lightning_smartinf.storage.io import IOBackend
+
+
+def done_future() -> Future[None]:
+    future: Future[None] = Future()
+    future.set_result(None)
+    return future
+
+
+class TensorStore(Protocol):
+    """What the engine and the updaters need from storage."""
+
+    def read(self, kind: str, key: str, buffer: torch.Tensor, payload: int) -> Future[None]:
+        """Fill ``buffer`` (aligned uint8, at least ``align_up(payload)`` bytes) with the stored tensor."""
+        ...
+
+    def write(self, kind: str, key: str, buffer: torch.Tensor, payload: int) -> Future[None]:
+        """Store the first ``payload`` bytes of ``buffer``; the buffer must stay untouched until the future is done."""
+        ...
+
+    def exists(self, kind: str, key: str) -> bool: ...
+
+
+class FileStore:
+    """One file per name under ``root/kind/key``, through an async O_DIRECT backend; traffic counted on ``link``."""
+
+    def __init__(self, root: Path, backend: IOBackend, counters: TrafficCounters, link: str) -> None:
+        self.root = root
+        self.backend = backend
+        self.counters = counters
+        self.link = link
+        self._dirs: set[str] = set()
+
+    def path(self, kind: str, key: str) -> Path:
+        if kind not in self._dirs:
+            (self.root / kind).mkdir(parents=True, exist_ok=True)
+            self._dirs.add(kind)
+        return self.root / kind / key
+
+    def read(self, kind: str, key: str, buffer: torch.Tensor, payload: int) -> Future[None]:
+        self.counters.add(self.link, kind, READ, payload)
+        return self.backend.read(self.path(kind, key), buffer[: align_up(payload)])
+
+    def write(self, kind: str, key: str, buffer: torch.Tensor, payload: int) -> Future[None]:
+        self.counters.add(self.link, kind, WRITE, payload)
+        return self.backend.write(self.path(kind, key), buffer[: align_up(payload)])
+
+    def exists(self, kind: str, key: str) -> bool:
+        return self.path(kind, key).exists()
+
+
+class HostStore:
+    """The same interface in (pinned, on CUDA hosts) RAM: copies are synchronous and cross no storage link."""
+
+    def __init__(self, pin: bool = False) -> None:
+        self._pin = pin
+        self._tensors: dict[tuple[str, str], torch.Tensor] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for t in self._tensors.values())
+
+    def read(self, kind: str, key: str, buffer: torch.Tensor, payload: int) -> Future[None]:
+        buffer[:payload].copy_(self._tensors[(kind, key)][:payload])
+        return done_future()
+
+    def write(self, kind: str, key: str, buffer: torch.Tensor, payload: int) -> Future[None]:
+        stored = self._tensors.get((kind, key))
+        if stored is None or stored.numel() < payload:
+            stored = self._tensors[(kind, key)] = aligned_bytes(payload, pin=self._pin)
+        stored[:payload].copy_(buffer[:payload])
+        return done_future()
+
+    def exists(self, kind: str, key: str) -> bool:
+        return (kind, key) in self._tensors

@@ -1,0 +1,193 @@
+"""``Trainer(strategy="smart_infinity")``: a thin Lightning strategy that hands the model to the offload engine.
+
+Config comes in as one keyword per component (``offload=``, ``update=``, ``compression=``, ``schedule=``), each a
+dict or its dataclass from ``lightning_smartinf.config``, the same keys as the Hydra groups. The strategy builds
+the engine in ``setup``, swaps in ``SmartInfinityPrecision`` (so backward, clipping and the step go through the
+engine) and saves checkpoints as directories holding the offloaded state.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.strategy import Strategy, TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from lightning_smartinf.config import CompressionConfig, OffloadConfig, ScheduleConfig, UpdateConfig, coerce
+from lightning_smartinf.engine.engine import OffloadEngine
+from lightning_smartinf.engine.snapshot import load_engine_state, save_engine_state
+from lightning_smartinf.monitor import SmartInfinityMonitor
+from lightning_smartinf.precision import SmartInfinityPrecision
+
+log = logging.getLogger(__name__)
+TRAINER_STATE = "trainer_state.pt"
+ENGINE_STATE = "offload"
+
+
+class SmartInfinityStrategy(Strategy):
+    """SSD-offloaded training of one model on one device (see docs/engine.md)."""
+
+    strategy_name = "smart_infinity"
+
+    def __init__(
+        self,
+        offload: OffloadConfig | dict[str, Any] | None = None,
+        update: UpdateConfig | dict[str, Any] | None = None,
+        compression: CompressionConfig | dict[str, Any] | None = None,
+        schedule: ScheduleConfig | dict[str, Any] | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(accelerator=accelerator, precision_plugin=precision_plugin)
+        self.offload = coerce(OffloadConfig, offload, "offload")
+        self.update = coerce(UpdateConfig, update, "update")
+        self.compression = coerce(CompressionConfig, compression, "compression")
+        self.schedule = coerce(ScheduleConfig, schedule, "schedule")
+        self.parallel_devices: list[torch.device] | None = None
+        self.engine: OffloadEngine | None = None
+        self.global_rank = self.local_rank = self.node_rank = 0
+        self.world_size = 1
+        self._resume_from: Path | None = None
+
+    # -- devices -----------------------------------------------------------------------------------------------------
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if self.parallel_devices and len(self.parallel_devices) > 1:
+            raise ValueError(
+                f"smart_infinity runs on one device per process; Trainer(devices={len(self.parallel_devices)}) "
+                "asks for data parallelism, which is not supported yet: use devices=1"
+            )
+        return self.parallel_devices[0] if self.parallel_devices else torch.device("cpu")
+
+    @property
+    @override
+    def is_global_zero(self) -> bool:
+        return True
+
+    @override
+    def model_to_device(self) -> None:
+        """Nothing: the engine places the resident parameters and streams the rest."""
+
+    @override
+    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        return tensor
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
+        return tensor
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        return obj
+
+    # -- set-up ----------------------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        precision = SmartInfinityPrecision(str(self.precision_plugin.precision), self.root_device.type)
+        self.precision_plugin = precision
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            if len(self.optimizers) != 1:
+                raise ValueError(
+                    f"smart_infinity drives exactly one optimizer; configure_optimizers returned {len(self.optimizers)}"
+                )
+        if self.engine is None:
+            optimizer = self.optimizers[0] if self.optimizers else None
+            self.engine = OffloadEngine(
+                self.model, optimizer, self.offload, self.update, self.root_device, precision.param_dtype,
+                loss_scaling=precision.precision == "16-mixed",
+            )  # fmt: skip
+            log.info(
+                "smart_infinity: %d params in %d blocks, %d subgroups; storage %s; update %s; host buffers %.1f MiB",
+                self.engine.layout.num_params, len(self.engine.layout.streamed), len(self.engine.layout.subgroups),
+                self.engine.backend.name, self.engine.updater.name if self.engine.updater else "none",
+                self.engine.host_memory_bytes / 2**20,
+            )  # fmt: skip
+        precision.engine = self.engine
+        if not any(isinstance(cb, SmartInfinityMonitor) for cb in trainer.callbacks):
+            trainer.callbacks.append(SmartInfinityMonitor())
+
+    @override
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        assert self.accelerator is not None
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Empty: the weights are the engine's fp32 masters, saved as files beside the trainer state."""
+        return {}
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
+        """Write ``filepath`` as a directory: Lightning's trainer state plus the engine's offloaded state."""
+        assert self.engine is not None
+        target = Path(filepath)
+        if target.is_file():
+            target.unlink()
+        target.mkdir(parents=True, exist_ok=True)
+        save_engine_state(self.engine, target / ENGINE_STATE)
+        torch.save(checkpoint, target / TRAINER_STATE)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        shutil.rmtree(filepath, ignore_errors=True)
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(checkpoint_path)
+        if not (path / TRAINER_STATE).is_file():
+            raise FileNotFoundError(f"{path} is not a smart_infinity checkpoint directory (no {TRAINER_STATE})")
+        self._resume_from = path
+        return torch.load(path / TRAINER_STATE, weights_only=False)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        assert self.engine is not None and self._resume_from is not None
+        load_engine_state(self.engine, self._resume_from / ENGINE_STATE)
+
+    # -- the API users see ----------------------------------------------------------------------------------------
+    def traffic(self) -> dict[str, dict[str, int]]:
+        """Bytes moved so far, ``{"link/direction": {kind: bytes}}`` (see ``TrafficCounters``)."""
+        return self.engine.counters.table() if self.engine else {}
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter's fp32 master by name (reads all master state from storage)."""
+        assert self.engine is not None, "the engine exists between setup and teardown"
+        return self.engine.master_state_dict()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description="SSD-offloaded training (smart_infinity)")
+        strategy_registry.register(
+            "smart_infinity_cpu_params",
+            cls,
+            description="smart_infinity with 16-bit params and gradients in host RAM",
+            offload={"params": "cpu", "grads": "cpu"},
+        )

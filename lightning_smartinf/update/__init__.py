@@ -1,0 +1,1 @@
+"""Updaters: where the optimizer update runs."""

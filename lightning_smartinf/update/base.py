@@ -1,0 +1,65 @@
+"""The updater seam: takes each subgroup's gradient, gives back its updated fp32 master.
+
+The engine streams subgroups through ``Updater.step`` and never sees where the optimizer state lives: the host
+updater reads and writes it through the storage layer itself; a near-storage updater would keep it on the device
+that owns the subgroup.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from lightning_smartinf.engine.layout import Subgroup
+
+
+@dataclass
+class StepContext:
+    """What one optimizer step needs besides the gradients."""
+
+    step: int
+    """The optimizer step being taken, counting from 1 (skipped steps do not count)."""
+    hyper: list[dict[str, Any]]
+    """Per param group hyper-parameters, read from the torch optimizer now (LR schedulers apply)."""
+    inv_scale: float = 1.0
+    """1/loss_scale as fp32, applied to every gradient first (GradScaler's unscale)."""
+    clip_coef: float = 1.0
+    """Clip coefficient as fp32, applied next (clip_grad_norm_'s multiply)."""
+
+    def prepare(self, grad: torch.Tensor) -> None:
+        """Unscale and clip a gradient in place, in the order and precision torch uses."""
+        for coef in (self.inv_scale, self.clip_coef):
+            if coef != 1.0:
+                grad.mul_(coef)
+
+
+class GradientSource(Protocol):
+    """Hands out each subgroup's accumulated fp32 gradient; ``fetch`` may be called ahead of use."""
+
+    def fetch(self, sg: Subgroup) -> Future[torch.Tensor]: ...
+
+    def release(self, sg: Subgroup) -> None: ...
+
+
+class Updater(Protocol):
+    name: str
+
+    def initialize(self, subgroups: Sequence[Subgroup], master_of: Callable[[Subgroup], torch.Tensor]) -> None:
+        """Write each subgroup's initial fp32 master (its optimizer state starts lazily at the first step)."""
+        ...
+
+    def step(
+        self, subgroups: Sequence[Subgroup], grads: GradientSource, ctx: StepContext
+    ) -> Iterator[tuple[Subgroup, torch.Tensor]]:
+        """Update every subgroup; yield each one's new fp32 master, valid until the next item is requested."""
+        ...
+
+    def read_master(self, sg: Subgroup) -> torch.Tensor:
+        """A copy of one subgroup's fp32 master (for export and tests; not on the hot path)."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,133 @@
+"""ZeRO-Infinity's update: master and optimizer state stream storage -> host memory -> CPU math -> storage.
+
+Per subgroup the host link carries 4 B/param of gradient plus 12 B/param (Adam: master, exp_avg, exp_avg_sq) each
+way. The next ``lookahead`` subgroups' state is read while the current one updates, and write-backs complete in
+the background; buffers come from one fixed pool, so host memory does not grow with the model.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+
+import torch
+
+from lightning_smartinf.engine.layout import Subgroup
+from lightning_smartinf.storage.aligned import BufferPool, align_up, typed_view
+from lightning_smartinf.storage.store import TensorStore
+from lightning_smartinf.update.base import GradientSource, StepContext
+from lightning_smartinf.update.cpu_adam import DeepSpeedCPUAdamKernel
+from lightning_smartinf.update.optimizers import OptimizerRule, torch_update
+
+MASTER = "master"
+
+
+class _Loaded:
+    """A subgroup's master and state buffers, with the reads that fill them."""
+
+    def __init__(self, sg: Subgroup, kinds: Sequence[str], pool: BufferPool) -> None:
+        self.sg = sg
+        self.raw = {kind: pool.acquire(sg.numel * 4) for kind in kinds}
+        self.reads: list[Future[None]] = []
+
+    def tensor(self, kind: str) -> torch.Tensor:
+        return typed_view(self.raw[kind], torch.float32, self.sg.numel)
+
+
+class HostUpdater:
+    """The optimizer update on the CPU, with state in a ``TensorStore``."""
+
+    def __init__(
+        self,
+        rule: OptimizerRule,
+        store: TensorStore,
+        max_subgroup_numel: int,
+        lookahead: int,
+        adam_kernel: DeepSpeedCPUAdamKernel | None,
+    ) -> None:
+        self.rule = rule
+        self.store = store
+        self.lookahead = lookahead
+        self.adam_kernel = adam_kernel
+        kinds_per_sg = 1 + len(rule.states)
+        # in flight: `lookahead` being read, one updating, one being written back
+        self.pool = BufferPool((lookahead + 2) * kinds_per_sg, max_subgroup_numel * 4)
+        kernel = "deepspeed cpu_adam" if adam_kernel and rule.name in ("adam", "adamw") else f"torch {rule.name}"
+        self.name = f"host ({kernel})"
+
+    @property
+    def host_bytes(self) -> int:
+        return self.pool.total_bytes
+
+    def initialize(self, subgroups: Sequence[Subgroup], master_of: Callable[[Subgroup], torch.Tensor]) -> None:
+        for sg in subgroups:
+            raw = self.pool.acquire(sg.numel * 4)
+            typed_view(raw, torch.float32, sg.numel).copy_(master_of(sg))
+            self.store.write(MASTER, sg.key, raw, sg.numel * 4).result()
+            self.pool.release(raw)
+
+    def _load(self, sg: Subgroup, first_step: bool) -> _Loaded:
+        loaded = _Loaded(sg, (MASTER, *self.rule.state_kinds), self.pool)
+        loaded.reads.append(self.store.read(MASTER, sg.key, loaded.raw[MASTER], sg.numel * 4))
+        for spec in self.rule.states:
+            if first_step:
+                loaded.tensor(spec.kind).fill_(spec.init)
+            else:
+                loaded.reads.append(self.store.read(spec.kind, sg.key, loaded.raw[spec.kind], sg.numel * 4))
+        return loaded
+
+    def _write_back(self, loaded: _Loaded, writes: list[Future[None]]) -> None:
+        for kind, raw in loaded.raw.items():
+            future = self.store.write(kind, loaded.sg.key, raw, loaded.sg.numel * 4)
+            future.add_done_callback(lambda _f, raw=raw: self.pool.release(raw))
+            writes.append(future)
+
+    def _apply(self, loaded: _Loaded, grad: torch.Tensor, ctx: StepContext) -> None:
+        hyper = ctx.hyper[loaded.sg.param_group]
+        ctx.prepare(grad)
+        master = loaded.tensor(MASTER)
+        state = {kind: loaded.tensor(kind) for kind in self.rule.state_kinds}
+        if self.adam_kernel is not None and self.rule.name in ("adam", "adamw"):
+            self.adam_kernel.update(
+                self.rule.name == "adamw", master, grad, state["exp_avg"], state["exp_avg_sq"], hyper, ctx.step
+            )
+        else:
+            torch_update(self.rule, master, grad, state, hyper, ctx.step)
+
+    def step(
+        self, subgroups: Sequence[Subgroup], grads: GradientSource, ctx: StepContext
+    ) -> Iterator[tuple[Subgroup, torch.Tensor]]:
+        first = ctx.step == 1
+        queue: deque[tuple[_Loaded, Future[torch.Tensor]]] = deque()
+        writes: list[Future[None]] = []
+        upcoming = iter(subgroups)
+        for sg in upcoming:
+            queue.append((self._load(sg, first), grads.fetch(sg)))
+            if len(queue) > self.lookahead:
+                break
+        while queue:
+            loaded, grad_future = queue.popleft()
+            nxt = next(upcoming, None)
+            if nxt is not None:
+                queue.append((self._load(nxt, first), grads.fetch(nxt)))
+            for read in loaded.reads:
+                read.result()
+            self._apply(loaded, grad_future.result(), ctx)
+            grads.release(loaded.sg)
+            self._write_back(loaded, writes)
+            yield loaded.sg, loaded.tensor(MASTER)
+        for write in writes:  # the step is durable (and write errors surface) before it returns
+            write.result()
+
+    def read_master(self, sg: Subgroup) -> torch.Tensor:
+        raw = self.pool.acquire(align_up(sg.numel * 4))
+        try:
+            self.store.read(MASTER, sg.key, raw, sg.numel * 4).result()
+            return typed_view(raw, torch.float32, sg.numel).clone()
+        finally:
+            self.pool.release(raw)
+
+    def close(self) -> None:
+        if self.adam_kernel is not None:
+            self.adam_kernel.close()
