@@ -125,9 +125,10 @@ class SmartInfinityStrategy(Strategy):
 
     @override
     def teardown(self) -> None:
+        """End of a stage: drop streamed parameters but keep the engine, so validate/test/predict after fit reuse
+        the trained state. ``close()`` ends it."""
         if self.engine is not None:
-            self.engine.close()
-            self.engine = None
+            self.engine.params.release_all()
         assert self.accelerator is not None
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
@@ -170,6 +171,12 @@ class SmartInfinityStrategy(Strategy):
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         assert self.engine is not None and self._resume_from is not None
         load_engine_state(self.engine, self._resume_from / ENGINE_STATE)
+
+    def close(self) -> None:
+        """Stop the engine's I/O threads and give the module back its blocks' original ``forward``."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
 
     # -- the API users see ----------------------------------------------------------------------------------------
     def traffic(self) -> dict[str, dict[str, int]]:

@@ -130,6 +130,10 @@ class GPTModule(pl.LightningModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.gpt(idx)
 
+    def tokens_in_batch(self, batch: torch.Tensor) -> int:
+        """Tokens predicted in a (b, t+1) batch: b * t (read by the progress monitor)."""
+        return batch.shape[0] * (batch.shape[1] - 1)
+
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
         logits = self(batch[:, :-1])
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))

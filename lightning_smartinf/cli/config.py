@@ -1,0 +1,83 @@
+"""The Hydra schema of ``smartinf-train``: the strategy's component configs plus model, data, optimizer, trainer.
+
+Registered in Hydra's ConfigStore so a bad key or a wrong type fails at compose time, naming the key. Recipes
+(``recipes/*.yaml``) are registered as the ``recipe`` group; each is a ``_global_`` package deriving from
+``gpt_tiny``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from lightning_smartinf.config import CompressionConfig, OffloadConfig, ScheduleConfig, UpdateConfig
+from lightning_smartinf.models.gpt import GPTConfig
+from lightning_smartinf.resources import asset_dir
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None
+    """Text file or directory to train on; null means this Python's standard library source."""
+    seq_len: int = 128
+    """Tokens per training sequence."""
+    batch_size: int = 8
+    """Sequences per micro-batch."""
+    val_percent: int = 5
+    """Share of files (by path hash) held out for validation."""
+    train_samples: int = 1_000_000
+    """Windows drawn per epoch."""
+    val_samples: int = 64
+    """Windows in the validation set."""
+    num_workers: int = 0
+    """DataLoader workers."""
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    """adamw, adam, sgd (momentum 0.9) or adagrad."""
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_steps: int = 0
+    """Linear LR warmup over this many optimizer steps."""
+
+
+@dataclass
+class TrainerConfig:
+    accelerator: str = "cpu"
+    devices: int = 1
+    precision: str = "bf16-mixed"
+    max_steps: int = 200
+    val_check_interval: int = 100
+    limit_val_batches: int = 8
+    log_every_n_steps: int = 5
+    gradient_clip_val: float = 1.0
+    accumulate_grad_batches: int = 1
+    seed: int = 1234
+    output_dir: str = "smartinf_runs"
+    """Logs, the checkpoint and the plot go to a timestamped directory under this one."""
+
+
+@dataclass
+class TrainConfig:
+    model: GPTConfig = field(default_factory=GPTConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    update: UpdateConfig = field(default_factory=UpdateConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    recipe_name: str = "gpt_tiny"
+
+
+def register_configs() -> None:
+    """Store the schema and every recipe in Hydra's ConfigStore (idempotent)."""
+    store = ConfigStore.instance()
+    store.store(name="smartinf_schema", node=TrainConfig)
+    for path in sorted(asset_dir("recipes").glob("*.yaml")):
+        store.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
