@@ -6,8 +6,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 _PLACES = ("nvme", "cpu")
 
@@ -109,10 +110,11 @@ def coerce(cls: type[T], value: T | dict[str, Any] | None, group: str) -> T:
         return cls()
     if isinstance(value, cls):
         return value
-    if hasattr(value, "items"):
+    if isinstance(value, Mapping) or hasattr(value, "items"):
+        mapping = cast(Mapping[str, Any], value)
         known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-        unknown = sorted(set(value.keys()) - known)
+        unknown = sorted(set(mapping.keys()) - known)
         if unknown:
             raise ValueError(f"unknown {group} keys {unknown}; valid keys: {sorted(known)}")
-        return cls(**dict(value.items()))
+        return cls(**dict(mapping.items()))
     raise TypeError(f"{group}= takes a dict or a {cls.__name__}, got {type(value).__name__}")

@@ -120,8 +120,9 @@ class SmartInfinityStrategy(Strategy):
                 self.engine.host_memory_bytes / 2**20,
             )  # fmt: skip
         precision.engine = self.engine
-        if not any(isinstance(cb, SmartInfinityMonitor) for cb in trainer.callbacks):
-            trainer.callbacks.append(SmartInfinityMonitor())
+        callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        if not any(isinstance(cb, SmartInfinityMonitor) for cb in callbacks):
+            callbacks.append(SmartInfinityMonitor())
 
     @override
     def teardown(self) -> None:

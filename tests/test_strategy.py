@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 import pytest
-from lightning.pytorch.plugins.precision import MixedPrecision
 import torch
 from conftest import fit, make_module, relative_error, token_loader
+from lightning.pytorch.plugins.precision import MixedPrecision
 
 import lightning_smartinf
 from lightning_smartinf.strategy import SmartInfinityStrategy
@@ -82,7 +82,7 @@ def test_mixed_precision_tracks_plain_training(smart, precision: str) -> None:
     fit(make_module("adamw", lr=3e-3), max_steps=20, callbacks=[plain], **precision_args(precision))
     fit(make_module("adamw", lr=3e-3), smart(), max_steps=20, callbacks=[ours], **precision_args(precision))
     assert len(ours.losses) == len(plain.losses) == 20
-    for a, b in zip(ours.losses, plain.losses):
+    for a, b in zip(ours.losses, plain.losses, strict=True):
         assert abs(a - b) / abs(b) < 1e-2
 
 

@@ -72,7 +72,7 @@ def run(cfg: TrainConfig, out_dir: Path) -> dict[str, object]:
     metrics_csv = out_dir / "logs" / "metrics.csv"
     strategy.close()
     plot = plot_run(metrics_csv, out_dir / "curves.png", f"{cfg.recipe_name}: smart_infinity")
-    result = {
+    result: dict[str, object] = {
         "recipe": cfg.recipe_name,
         "val_loss": val[0].get("val_loss") if val else None,
         "summary": monitor.summary,

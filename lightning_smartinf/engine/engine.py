@@ -132,9 +132,7 @@ class OffloadEngine:
             if update.backend != "host":
                 raise AssertionError(update.backend)
             kernel = load_cpu_adam(update.host_adam) if self.rule.name in ("adam", "adamw") else None
-            self.updater = HostUpdater(
-                self.rule, disk, self.layout.max_subgroup_numel, offload.step_lookahead, kernel
-            )
+            self.updater = HostUpdater(self.rule, disk, self.layout.max_subgroup_numel, offload.step_lookahead, kernel)
         self._grad_flat = aligned_bytes(self.layout.max_block_numel * 4)
         self._initialize()
 

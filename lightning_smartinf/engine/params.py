@@ -110,7 +110,7 @@ class ParamStreamer:
     def release_all(self) -> None:
         for index in list(self._live):
             self.release(index)
-        for index, (raw, reads) in list(self._loading.items()):
+        for raw, reads in list(self._loading.values()):
             for read in reads:
                 read.result()
             self.pool.release(raw)

@@ -86,9 +86,9 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.apply(self._init_weights)
-        for block in self.blocks:  # GPT-2's scaled init of residual projections
-            for proj in (block.attn.proj, block.out):
-                nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        for name, param in self.named_parameters():  # GPT-2's scaled init of residual projections
+            if name.endswith(("attn.proj.weight", "out.weight")):
+                nn.init.normal_(param, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

@@ -87,7 +87,7 @@ class _StreamedBlock(torch.autograd.Function):
                 with ctx.recompute.restore(), torch.enable_grad():
                     outputs = ctx.fn(*inputs)
             outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-            pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad and g is not None]
+            pairs = [(o, g) for o, g in zip(outputs, grad_outputs, strict=True) if o.requires_grad and g is not None]
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             runner.collect_block_grads(ctx.index)
         finally:

@@ -80,8 +80,11 @@ class HostUpdater:
     def _write_back(self, loaded: _Loaded, writes: list[Future[None]]) -> None:
         for kind, raw in loaded.raw.items():
             future = self.store.write(kind, loaded.sg.key, raw, loaded.sg.numel * 4)
-            future.add_done_callback(lambda _f, raw=raw: self.pool.release(raw))
+            future.add_done_callback(self._releaser(raw))
             writes.append(future)
+
+    def _releaser(self, raw: torch.Tensor) -> Callable[[Future[None]], None]:
+        return lambda _future: self.pool.release(raw)
 
     def _apply(self, loaded: _Loaded, grad: torch.Tensor, ctx: StepContext) -> None:
         hyper = ctx.hyper[loaded.sg.param_group]
