@@ -31,7 +31,7 @@ def plot_run(metrics_csv: Path, out_png: Path, title: str) -> Path:
     io_ax.set(xlabel="step", ylabel="GB/s", title="host-link traffic")
     twin = io_ax.twinx()
     steps, tok = _series(rows, "tok_s")
-    twin.plot(steps, tok, color="tab:orange", label="tokens/s")
+    twin.plot(steps, tok, "--", color="tab:orange", label="tokens/s")
     twin.set_ylabel("tokens/s")
     io_ax.legend(loc="upper left")
     twin.legend(loc="upper right")
