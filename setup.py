@@ -18,6 +18,8 @@ class BuildWithAssets(build_py):
         super().run()
         root = Path(__file__).parent
         for name in ASSET_DIRS:
+            if not (root / name).is_dir():
+                continue
             target = Path(self.build_lib) / "lightning_smartinf" / "_assets" / name
             if target.exists():
                 shutil.rmtree(target)

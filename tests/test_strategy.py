@@ -44,6 +44,14 @@ def test_fp32_equal_with_clipping_and_accumulation(smart, placement: dict[str, s
     assert relative_error(trainer.strategy.consolidated_state_dict(), reference) < 1e-5
 
 
+def test_lr_scheduler_is_followed(smart) -> None:
+    reference = make_module("adamw", warmup_steps=5)
+    fit(reference, precision="32-true")
+    module = make_module("adamw", warmup_steps=5)
+    trainer = fit(module, smart(), precision="32-true")
+    assert relative_error(trainer.strategy.consolidated_state_dict(), reference) < 1e-5
+
+
 def test_deepspeed_ops_path_equals_plain_training(smart) -> None:
     """DeepSpeed's aio op for storage and its CPU Adam op for the update.
 
