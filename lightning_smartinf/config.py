@@ -70,13 +70,36 @@ class UpdateConfig:
     """Where the optimizer update runs."""
 
     backend: str = "host"
-    """``host``: on the CPU, state streamed from storage through host memory (ZeRO-Infinity)."""
+    """``host``: on the CPU, state streamed from storage through host memory (ZeRO-Infinity). ``smart``: on
+    near-storage OpenCL devices that keep the state in their own directories (Smart-Infinity's SmartUpdate)."""
     host_adam: str = "auto"
     """Adam/AdamW kernel for the host update: ``deepspeed`` (its CPU Adam op), ``torch``, or ``auto``."""
+    devices: Any = 1
+    """``smart``: a count (the first N devices of PoCL), or a list of {platform, device, path, binary}."""
+    wire: str = "fp32"
+    """``smart``: dtype of gradients sent and parameters returned: ``fp32`` (8 B/param) or ``16bit`` (4 B/param,
+    the training precision's 16-bit type; mixed precision only)."""
 
     def __post_init__(self) -> None:
-        _check_choice("update.backend", self.backend, ("host",))
+        _check_choice("update.backend", self.backend, ("host", "smart"))
         _check_choice("update.host_adam", self.host_adam, ("auto", "deepspeed", "torch"))
+        _check_choice("update.wire", self.wire, ("fp32", "16bit"))
+        if isinstance(self.devices, int):
+            _check_positive("update.devices", self.devices)
+        elif isinstance(self.devices, list | tuple) or hasattr(self.devices, "__iter__"):
+            if not list(self.devices):
+                raise ValueError("update.devices is an empty list: give a count or at least one device entry")
+        else:
+            raise ValueError(f"update.devices={self.devices!r}: give a count or a list of {{platform, device, path}}")
+
+
+def check_combination(offload: OffloadConfig, update: UpdateConfig) -> None:
+    """Rules across groups, checked when the strategy is built."""
+    if update.backend == "smart" and offload.grads != "cpu":
+        raise ValueError(
+            "update.backend=smart sends each accumulated gradient from host memory to the device that owns it: set "
+            "offload.grads=cpu (gradients on the host's disk would cross the host link three times)"
+        )
 
 
 @dataclass

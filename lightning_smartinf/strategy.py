@@ -22,7 +22,14 @@ from lightning.pytorch.strategies.strategy import Strategy, TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_smartinf.config import CompressionConfig, OffloadConfig, ScheduleConfig, UpdateConfig, coerce
+from lightning_smartinf.config import (
+    CompressionConfig,
+    OffloadConfig,
+    ScheduleConfig,
+    UpdateConfig,
+    check_combination,
+    coerce,
+)
 from lightning_smartinf.engine.engine import OffloadEngine
 from lightning_smartinf.engine.snapshot import load_engine_state, save_engine_state
 from lightning_smartinf.monitor import SmartInfinityMonitor
@@ -52,6 +59,7 @@ class SmartInfinityStrategy(Strategy):
         self.update = coerce(UpdateConfig, update, "update")
         self.compression = coerce(CompressionConfig, compression, "compression")
         self.schedule = coerce(ScheduleConfig, schedule, "schedule")
+        check_combination(self.offload, self.update)
         self.parallel_devices: list[torch.device] | None = None
         self.engine: OffloadEngine | None = None
         self.global_rank = self.local_rank = self.node_rank = 0

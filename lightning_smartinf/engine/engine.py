@@ -9,7 +9,6 @@ and publishes new 16-bit params to the param store.
 from __future__ import annotations
 
 import logging
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,11 +25,13 @@ from lightning_smartinf.schedule.horizontal import find_blocks, unwrap_blocks, w
 from lightning_smartinf.storage.aligned import align_up, aligned_bytes, typed_view
 from lightning_smartinf.storage.counters import TrafficCounters
 from lightning_smartinf.storage.io import IOBackend, make_backend
+from lightning_smartinf.storage.space import prepare_directory
 from lightning_smartinf.storage.store import FileStore, HostStore, TensorStore
 from lightning_smartinf.update.base import StepContext, Updater
 from lightning_smartinf.update.cpu_adam import load_cpu_adam
 from lightning_smartinf.update.host import HostUpdater
 from lightning_smartinf.update.optimizers import OptimizerRule, hyperparameters, rule_for
+from lightning_smartinf.update.smart import SmartUpdater, device_specs
 
 log = logging.getLogger(__name__)
 HOST_LINK = "host"
@@ -43,42 +44,18 @@ class StepResult:
     loss_scale: float
 
 
-def planned_storage_bytes(layout: Layout, rule: OptimizerRule | None, cfg: OffloadConfig, itemsize: int) -> int:
-    """Bytes the state files will take under ``nvme_path`` (each file padded to 4 KiB)."""
+def planned_storage_bytes(
+    layout: Layout, rule: OptimizerRule | None, cfg: OffloadConfig, itemsize: int, state_here: bool
+) -> int:
+    """Bytes the files under ``nvme_path`` will take (each padded to 4 KiB); ``state_here``: master/state too."""
     total = 0
     for sg in layout.subgroups:
         fp32 = align_up(sg.numel * 4)
-        total += fp32 * (1 + (len(rule.states) if rule else 0))
+        total += fp32 * (1 + len(rule.states)) if rule and state_here else 0
         total += fp32 if cfg.grads == "nvme" else 0
         streamed = not layout.blocks[sg.block].resident
         total += align_up(sg.numel * itemsize) if cfg.params == "nvme" and streamed else 0
     return total
-
-
-def prepare_directory(path: Path, needed: int, check_space: bool) -> None:
-    """Create ``path`` and make sure it can hold ``needed`` bytes, failing before anything is written."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise OSError(f"offload.nvme_path={str(path)!r} cannot be created: {err.strerror}") from err
-    probe = path / ".smartinf_write_probe"
-    try:
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as err:
-        raise PermissionError(
-            f"offload.nvme_path={str(path)!r} is not writable ({err.strerror}); point it at a directory you own"
-        ) from err
-    if not check_space:
-        return
-    reusable = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    free = shutil.disk_usage(path).free + reusable
-    if needed > free:
-        raise OSError(
-            f"offload.nvme_path={str(path)!r} has {free / 2**30:.2f} GiB free but the offloaded state needs "
-            f"{needed / 2**30:.2f} GiB: free space, choose another path, or set offload.params=cpu / "
-            "offload.grads=cpu to keep those in host memory"
-        )
 
 
 class OffloadEngine:
@@ -113,7 +90,8 @@ class OffloadEngine:
         self.layout = build_layout(model, block_list, groups, offload.subgroup_size)
 
         root = Path(offload.nvme_path).expanduser().resolve()
-        needed = planned_storage_bytes(self.layout, self.rule, offload, self.itemsize)
+        state_here = update.backend == "host"
+        needed = planned_storage_bytes(self.layout, self.rule, offload, self.itemsize, state_here)
         prepare_directory(root, needed, offload.check_free_space)
         self.root = root
         self.backend: IOBackend = make_backend(
@@ -128,15 +106,32 @@ class OffloadEngine:
         self.params = ParamStreamer(self.layout, param_store, param_dtype, device, offload.prefetch)
         self.grads = GradientAccumulator(self.layout, grad_store, offload.step_lookahead)
         self.updater: Updater | None = None
+        self._device_backends: list[IOBackend] = []
         if self.rule is not None:
-            if update.backend != "host":
-                raise AssertionError(update.backend)
-            kernel = load_cpu_adam(update.host_adam) if self.rule.name in ("adam", "adamw") else None
-            self.updater = HostUpdater(self.rule, disk, self.layout.max_subgroup_numel, offload.step_lookahead, kernel)
+            self.updater = self._make_updater(self.rule, update, disk)
         self._grad_flat = aligned_bytes(self.layout.max_block_numel * 4)
         self._initialize()
 
     # -- set-up -------------------------------------------------------------------------------------------------
+    def _make_updater(self, rule: OptimizerRule, update: UpdateConfig, disk: FileStore) -> Updater:
+        if update.backend == "host":
+            kernel = load_cpu_adam(update.host_adam) if rule.name in ("adam", "adamw") else None
+            return HostUpdater(rule, disk, self.layout.max_subgroup_numel, self.cfg.step_lookahead, kernel)
+        if update.wire == "16bit" and self.param_dtype == torch.float32:
+            raise ValueError("update.wire=16bit needs a 16-bit training precision (bf16-mixed or 16-mixed)")
+        wire = self.param_dtype if update.wire == "16bit" else torch.float32
+        specs = device_specs(update.devices)
+        cfg = self.cfg
+
+        def make_store(directory: Path, link: str, needed: int) -> FileStore:
+            prepare_directory(directory, needed, cfg.check_free_space)
+            backend = make_backend(cfg.io_backend, directory, cfg.io_threads, cfg.aio_intra_op_parallelism,
+                                   cfg.aio_block_size, cfg.aio_queue_depth)  # fmt: skip
+            self._device_backends.append(backend)
+            return FileStore(directory, backend, self.counters, link)
+
+        return SmartUpdater(rule, specs, self.root, make_store, self.counters, self.layout, wire)
+
     def _initialize(self) -> None:
         if self.updater is not None:
             self.updater.initialize(self.layout.subgroups, self._initial_master)
@@ -252,4 +247,5 @@ class OffloadEngine:
         unwrap_blocks(self.block_modules)
         if self.updater is not None:
             self.updater.close()
-        self.backend.close()
+        for backend in (self.backend, *self._device_backends):
+            backend.close()

@@ -22,16 +22,21 @@ def _signature(engine: OffloadEngine) -> dict[str, Any]:
     return {
         "subgroups": [[sg.block, sg.param_group, sg.offset, sg.numel] for sg in engine.layout.subgroups],
         "optimizer": engine.rule.name if engine.rule else None,
+        "state_directories": len(_state_dirs(engine)),
     }
+
+
+def _state_dirs(engine: OffloadEngine) -> list[Path]:
+    return engine.updater.state_directories() if engine.updater else []
 
 
 def save_engine_state(engine: OffloadEngine, directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     kinds = ("master", *(engine.rule.state_kinds if engine.rule else ()))
-    for kind in kinds:
-        source = engine.root / kind
-        if source.is_dir():
-            shutil.copytree(source, directory / kind, dirs_exist_ok=True)
+    for index, state_dir in enumerate(_state_dirs(engine)):
+        for kind in kinds:
+            if (state_dir / kind).is_dir():
+                shutil.copytree(state_dir / kind, directory / f"state{index}" / kind, dirs_exist_ok=True)
     manifest = {
         "signature": _signature(engine),
         "step_count": engine.step_count,
@@ -50,9 +55,10 @@ def load_engine_state(engine: OffloadEngine, directory: Path) -> None:
             f"checkpoint {directory} was written for another model, optimizer or offload.subgroup_size; "
             "resume with the configuration it was saved with"
         )
-    for kind_dir in directory.iterdir():
-        if kind_dir.is_dir():
-            shutil.copytree(kind_dir, engine.root / kind_dir.name, dirs_exist_ok=True)
+    for index, state_dir in enumerate(_state_dirs(engine)):
+        saved = directory / f"state{index}"
+        for kind_dir in saved.iterdir() if saved.is_dir() else ():
+            shutil.copytree(kind_dir, state_dir / kind_dir.name, dirs_exist_ok=True)
     engine.step_count = manifest["step_count"]
     if engine.scaler is not None and manifest["loss_scaler"]:
         engine.scaler.load_state_dict(manifest["loss_scaler"])

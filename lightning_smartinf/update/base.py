@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -56,6 +57,10 @@ class Updater(Protocol):
         self, subgroups: Sequence[Subgroup], grads: GradientSource, ctx: StepContext
     ) -> Iterator[tuple[Subgroup, torch.Tensor]]:
         """Update every subgroup; yield each one's new fp32 master, valid until the next item is requested."""
+        ...
+
+    def state_directories(self) -> list[Path]:
+        """Directories holding master and optimizer-state files (one per device for near-storage updaters)."""
         ...
 
     def read_master(self, sg: Subgroup) -> torch.Tensor:

@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from pathlib import Path
 
 import torch
 
 from lightning_smartinf.engine.layout import Subgroup
 from lightning_smartinf.storage.aligned import BufferPool, align_up, typed_view
-from lightning_smartinf.storage.store import TensorStore
+from lightning_smartinf.storage.store import FileStore
 from lightning_smartinf.update.base import GradientSource, StepContext
 from lightning_smartinf.update.cpu_adam import DeepSpeedCPUAdamKernel
 from lightning_smartinf.update.optimizers import OptimizerRule, torch_update
@@ -41,7 +42,7 @@ class HostUpdater:
     def __init__(
         self,
         rule: OptimizerRule,
-        store: TensorStore,
+        store: FileStore,
         max_subgroup_numel: int,
         lookahead: int,
         adam_kernel: DeepSpeedCPUAdamKernel | None,
@@ -122,6 +123,9 @@ class HostUpdater:
             yield loaded.sg, loaded.tensor(MASTER)
         for write in writes:  # the step is durable (and write errors surface) before it returns
             write.result()
+
+    def state_directories(self) -> list[Path]:
+        return [self.store.root]
 
     def read_master(self, sg: Subgroup) -> torch.Tensor:
         raw = self.pool.acquire(align_up(sg.numel * 4))

@@ -1,0 +1,306 @@
+"""SmartUpdate: the optimizer update on near-storage devices, so optimizer state never crosses the host link.
+
+Each device owns the subgroups assigned to it round-robin and keeps their fp32 master and optimizer state in its
+own directory, which it reads and writes over its internal link (counted as ``device<k>``). Per subgroup the host
+link carries only the gradient in and the updated parameters out (``update.wire``: fp32, or 16-bit).
+
+The transfer handler: every device has two fixed slots of buffers, sized by the largest subgroup and allocated once
+(page-aligned host memory wrapped with ``CL_MEM_USE_HOST_PTR``, so O_DIRECT reads land in the device buffer, as a
+SmartSSD's P2P buffer would). While the kernel updates one slot, the next subgroup's state loads into the other;
+updated parameters go back to the trainer first, and the state write-back is deferred and overlaps the next load.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from lightning_smartinf.engine.layout import Layout, Subgroup
+from lightning_smartinf.storage.aligned import align_up, aligned_bytes, typed_view
+from lightning_smartinf.storage.counters import READ, WRITE, TrafficCounters
+from lightning_smartinf.storage.store import FileStore
+from lightning_smartinf.update.base import GradientSource, StepContext
+from lightning_smartinf.update.opencl import DeviceSpec, build_program, ensure_pocl_devices, find_device
+from lightning_smartinf.update.optimizers import OptimizerRule
+
+MASTER = "master"
+HOST_LINK = "host"
+
+
+def kernel_scalars(rule: OptimizerRule, hyper: dict[str, Any], step: int) -> list[Any]:
+    """The kernel's hyper-parameter arguments, computed in double precision on the host as torch does."""
+    f32, i32 = np.float32, np.int32
+    lr, wd = hyper["lr"], hyper["weight_decay"]
+    if rule.name in ("adam", "adamw"):
+        beta1, beta2 = hyper["betas"]
+        decoupled = rule.name == "adamw"
+        return [f32(1 - beta1), f32(beta2), f32(1 - beta2), f32(hyper["eps"]), f32(wd), i32(decoupled),
+                f32(1 - lr * wd), f32(lr / (1 - beta1**step)), f32((1 - beta2**step) ** 0.5)]  # fmt: skip
+    if rule.name == "sgd":
+        return [f32(lr), f32(hyper["momentum"]), f32(1 - hyper["dampening"]), f32(wd), i32(hyper["nesterov"]),
+                i32(step == 1)]  # fmt: skip
+    if rule.name == "adagrad":
+        return [f32(lr / (1 + (step - 1) * hyper["lr_decay"])), f32(wd), f32(hyper["eps"])]
+    raise AssertionError(rule.name)
+
+
+class _Slot:
+    """One fixed set of device buffers: master, optimizer state, gradient in, parameters out."""
+
+    def __init__(self, cl: Any, context: Any, rule: OptimizerRule, numel: int, grad_dtype: torch.dtype,
+                 param_dtype: torch.dtype) -> None:  # fmt: skip
+        itemsize = {k: 4 for k in (MASTER, *rule.state_kinds)}
+        itemsize["grad"] = torch.empty((), dtype=grad_dtype).element_size()
+        itemsize["param"] = torch.empty((), dtype=param_dtype).element_size()
+        self.host = {kind: aligned_bytes(numel * size) for kind, size in itemsize.items()}
+        flags = cl.mem_flags.READ_WRITE | cl.mem_flags.USE_HOST_PTR
+        self.buffers = {kind: cl.Buffer(context, flags, hostbuf=raw.numpy()) for kind, raw in self.host.items()}
+        self.maps: list[Any] = []
+        self.writes: list[Future[None]] = []
+        self.sg: Subgroup | None = None
+
+    def map(self, cl: Any, queue_: Any) -> None:
+        """Hand the buffers to the host (with USE_HOST_PTR the host memory then holds the device's latest bits)."""
+        flags = cl.map_flags.READ | cl.map_flags.WRITE
+        self.maps = [cl.enqueue_map_buffer(queue_, buf, flags, 0, (raw.numel(),), np.uint8)[0]
+                     for buf, raw in zip(self.buffers.values(), self.host.values(), strict=True)]  # fmt: skip
+        queue_.finish()
+
+    def unmap(self, queue_: Any) -> None:
+        for mapped in self.maps:
+            mapped.base.release(queue_)
+        self.maps = []
+
+    def wait_writes(self) -> None:
+        writes, self.writes = self.writes, []
+        for write in writes:
+            write.result()
+
+
+@dataclass
+class _Job:
+    sg: Subgroup
+    grad: torch.Tensor
+    ctx: StepContext
+    kernel_args: list[Any] = field(default_factory=list)
+
+
+class NearStorageDevice:
+    """An OpenCL device, the directory it owns, and a worker thread running its transfer handler."""
+
+    def __init__(self, index: int, spec: DeviceSpec, directory: Path, rule: OptimizerRule, store: FileStore,
+                 max_numel: int, wire_dtype: torch.dtype) -> None:  # fmt: skip
+        """``wire_dtype`` is both the gradient's dtype in and the parameters' dtype out."""
+        import pyopencl as cl
+
+        grad_dtype = param_dtype = wire_dtype
+
+        self.cl, self.index, self.rule, self.store = cl, index, rule, store
+        self.directory = directory
+        self.device = find_device(spec)
+        self.context = cl.Context([self.device])
+        self.queue = cl.CommandQueue(self.context)
+        self.program = build_program(self.context, self.device, grad_dtype, param_dtype, spec.binary)
+        self.kernel = getattr(self.program, rule.name if rule.name != "adamw" else "adam")
+        self.slots = [_Slot(cl, self.context, rule, max_numel, grad_dtype, param_dtype) for _ in range(2)]
+        for slot in self.slots:
+            slot.map(cl, self.queue)
+        self.grad_dtype, self.param_dtype = grad_dtype, param_dtype
+        self.inbox: queue.Queue[_Job | None] = queue.Queue(maxsize=1)
+        self.outbox: queue.Queue[tuple[Subgroup, torch.Tensor] | BaseException] | None = None
+        self.link = f"device{index}"
+        self._thread = threading.Thread(target=self._run, name=f"smartinf-{self.link}", daemon=True)
+        self._thread.start()
+
+    @property
+    def name(self) -> str:
+        return f"{self.link}: {self.device.name} ({self.directory})"
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(raw.numel() for slot in self.slots for raw in slot.host.values())
+
+    # -- the transfer handler, on the device's own thread --------------------------------------------------------
+    def _run(self) -> None:
+        previous: tuple[_Slot, Any] | None = None
+        turn = 0
+        while True:
+            job = self.inbox.get()
+            try:
+                if job is None:  # end of a step: finish the subgroup in flight
+                    if previous is not None:
+                        self._finish(*previous)
+                        previous = None
+                    self._put("done")
+                    continue
+                slot = self.slots[turn % 2]
+                turn += 1
+                slot.wait_writes()  # its last subgroup's deferred state write-back
+                reads = self._load(slot, job)
+                if previous is not None:  # the load above overlaps the previous kernel
+                    self._finish(*previous)
+                for read in reads:
+                    read.result()
+                slot.unmap(self.queue)
+                event = self.kernel(self.queue, (job.sg.numel,), None, *self._arguments(slot, job))
+                previous = (slot, event)
+            except BaseException as err:  # noqa: BLE001 - surfaced to the trainer's thread
+                previous = None
+                self._put(err)
+
+    def _put(self, item: Any) -> None:
+        assert self.outbox is not None
+        self.outbox.put(item)
+
+    def _load(self, slot: _Slot, job: _Job) -> list[Future[None]]:
+        sg, first = job.sg, job.ctx.step == 1
+        slot.sg = sg
+        reads = [self.store.read(MASTER, sg.key, slot.host[MASTER], sg.numel * 4)]
+        for spec in self.rule.states:
+            if first:
+                typed_view(slot.host[spec.kind], torch.float32, sg.numel).fill_(spec.init)
+            else:
+                reads.append(self.store.read(spec.kind, sg.key, slot.host[spec.kind], sg.numel * 4))
+        typed_view(slot.host["grad"], self.grad_dtype, sg.numel).copy_(job.grad)
+        self.store.counters.add(HOST_LINK, "grad", WRITE, job.grad.numel() * job.grad.element_size())
+        return reads
+
+    def _arguments(self, slot: _Slot, job: _Job) -> list[Any]:
+        b = slot.buffers
+        state = [b[kind] for kind in self.rule.state_kinds]
+        common = [np.uint32(job.sg.numel), np.float32(job.ctx.inv_scale), np.float32(job.ctx.clip_coef)]
+        return [b[MASTER], *state, b["grad"], b["param"], *common, *job.kernel_args]
+
+    def _finish(self, slot: _Slot, event: Any) -> None:
+        """Kernel done: parameters back to the trainer first, then the deferred state write-back."""
+        event.wait()
+        slot.map(self.cl, self.queue)
+        sg = slot.sg
+        assert sg is not None
+        params = typed_view(slot.host["param"], self.param_dtype, sg.numel).clone()
+        self.store.counters.add(HOST_LINK, "param", READ, params.numel() * params.element_size())
+        self._put((sg, params))
+        for kind in (MASTER, *self.rule.state_kinds):
+            slot.writes.append(self.store.write(kind, sg.key, slot.host[kind], sg.numel * 4))
+
+    def drain(self) -> None:
+        for slot in self.slots:
+            slot.wait_writes()
+
+
+def device_specs(devices: Any) -> list[DeviceSpec]:
+    """``update.devices`` (a count or a list of mappings) as device specs; a count asks PoCL for that many."""
+    if isinstance(devices, int):
+        ensure_pocl_devices(devices)
+        return [DeviceSpec(device=k) for k in range(devices)]
+    specs = []
+    for entry in devices:
+        unknown = sorted(set(entry) - {"platform", "device", "path", "binary"})
+        if unknown:
+            raise ValueError(f"update.devices entry has unknown keys {unknown}; valid: platform, device, path, binary")
+        specs.append(DeviceSpec(**dict(entry)))
+    ensure_pocl_devices(max(s.device for s in specs) + 1)
+    return specs
+
+
+class SmartUpdater:
+    """Streams each subgroup's gradient to the device that owns it and gets its updated parameters back."""
+
+    def __init__(
+        self,
+        rule: OptimizerRule,
+        specs: Sequence[DeviceSpec],
+        root: Path,
+        make_store: Callable[[Path, str, int], FileStore],
+        counters: TrafficCounters,
+        layout: Layout,
+        wire_dtype: torch.dtype,
+    ) -> None:
+        self.rule = rule
+        self.counters = counters
+        self.wire_dtype = wire_dtype
+        self.devices: list[NearStorageDevice] = []
+        owned = [0] * len(specs)
+        for sg in layout.subgroups:
+            owned[sg.index % len(specs)] += align_up(sg.numel * 4) * (1 + len(rule.states))
+        for k, spec in enumerate(specs):
+            directory = Path(spec.path).expanduser().resolve() if spec.path else root / f"device{k}"
+            store = make_store(directory, f"device{k}", owned[k])
+            self.devices.append(NearStorageDevice(k, spec, directory, rule, store, layout.max_subgroup_numel,
+                                                  wire_dtype))  # fmt: skip
+        wire = "fp32" if wire_dtype == torch.float32 else str(wire_dtype).replace("torch.", "")
+        self.name = f"smart ({len(self.devices)} OpenCL device(s): {self.devices[0].device.name}; {wire} on the wire)"
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(d.host_bytes for d in self.devices)
+
+    def owner(self, sg: Subgroup) -> NearStorageDevice:
+        return self.devices[sg.index % len(self.devices)]
+
+    def initialize(self, subgroups: Sequence[Subgroup], master_of: Callable[[Subgroup], torch.Tensor]) -> None:
+        for sg in subgroups:
+            raw = aligned_bytes(sg.numel * 4)
+            typed_view(raw, torch.float32, sg.numel).copy_(master_of(sg))
+            self.owner(sg).store.write(MASTER, sg.key, raw, sg.numel * 4).result()
+
+    def step(
+        self, subgroups: Sequence[Subgroup], grads: GradientSource, ctx: StepContext
+    ) -> Iterator[tuple[Subgroup, torch.Tensor]]:
+        outbox: queue.Queue[Any] = queue.Queue()
+        for device in self.devices:
+            device.outbox = outbox
+        scalars = [kernel_scalars(self.rule, hyper, ctx.step) for hyper in ctx.hyper]
+        pending = 0
+        for sg in subgroups:
+            grad = grads.fetch(sg).result()
+            job = _Job(sg, grad.to(self.wire_dtype, copy=True), ctx, scalars[sg.param_group])
+            grads.release(sg)
+            device = self.owner(sg)
+            while True:  # hand the job over, yielding finished subgroups while the device is busy
+                try:
+                    device.inbox.put(job, timeout=0.005)
+                    break
+                except queue.Full:
+                    while not outbox.empty():
+                        pending -= 1
+                        yield self._unwrap(outbox.get())
+            pending += 1
+        for device in self.devices:
+            device.inbox.put(None)
+        finished = 0
+        while finished < len(self.devices) or pending:
+            item = outbox.get()
+            if item == "done":
+                finished += 1
+                continue
+            pending -= 1
+            yield self._unwrap(item)
+        for device in self.devices:  # the step is durable (and write errors surface) before it returns
+            device.drain()
+
+    @staticmethod
+    def _unwrap(item: Any) -> tuple[Subgroup, torch.Tensor]:
+        if isinstance(item, BaseException):
+            raise RuntimeError(f"a near-storage device failed: {item}") from item
+        return item  # type: ignore[no-any-return]
+
+    def read_master(self, sg: Subgroup) -> torch.Tensor:
+        raw = aligned_bytes(sg.numel * 4)
+        self.owner(sg).store.read(MASTER, sg.key, raw, sg.numel * 4).result()
+        return typed_view(raw, torch.float32, sg.numel).clone()
+
+    def state_directories(self) -> list[Path]:
+        return [d.directory for d in self.devices]
+
+    def close(self) -> None:
+        for device in self.devices:
+            device.drain()
