@@ -95,10 +95,10 @@ class UpdateConfig:
 
 def check_combination(offload: OffloadConfig, update: UpdateConfig) -> None:
     """Rules across groups, checked when the strategy is built."""
-    if update.backend == "smart" and offload.grads != "cpu":
+    if update.backend == "smart" and update.wire == "16bit" and offload.grads == "nvme":
         raise ValueError(
-            "update.backend=smart sends each accumulated gradient from host memory to the device that owns it: set "
-            "offload.grads=cpu (gradients on the host's disk would cross the host link three times)"
+            "update.wire=16bit sends gradients as 16-bit from host memory; with offload.grads=nvme they are written "
+            "as fp32 straight into the owning device's directory instead: use offload.grads=cpu or update.wire=fp32"
         )
 
 

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-import logging
+import os
+
+# PoCL reads this once, at the first platform query of the process: three CPU devices for the SmartUpdate tests.
+os.environ.setdefault("POCL_DEVICES", "pthread pthread pthread")
+
+import logging  # noqa: E402
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -62,8 +67,10 @@ def smart(tmp_path: Path) -> Callable[..., lightning_smartinf.SmartInfinityStrat
     """A factory of strategies with their state under the test's tmp_path (thread I/O, torch Adam: no compiles)."""
 
     def build(**offload: Any) -> lightning_smartinf.SmartInfinityStrategy:
-        update = offload.pop("update", {"host_adam": "torch"})
+        update = {"host_adam": "torch", **offload.pop("update", {})}
         settings = {"nvme_path": str(tmp_path / "state"), "subgroup_size": 4096, "io_backend": "threads", **offload}
+        settings["nvme_path"] = str(settings["nvme_path"])
         return lightning_smartinf.SmartInfinityStrategy(offload=settings, update=update)
 
+    build.root = tmp_path  # type: ignore[attr-defined]
     return build

@@ -47,7 +47,7 @@ def test_not_enough_space_fails_before_writing(tmp_path: Path, monkeypatch: pyte
     real = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
     state = tmp_path / "state"
-    with pytest.raises(OSError, match="GiB free but the offloaded state needs"):
+    with pytest.raises(OSError, match="offload.nvme_path=.* has 1000 B free but the offloaded state needs"):
         fit(make_module(), SmartInfinityStrategy(offload={"nvme_path": str(state)}), max_steps=1)
     assert not any(f.is_file() for f in state.rglob("*"))
 

@@ -47,12 +47,13 @@ class StepResult:
 def planned_storage_bytes(
     layout: Layout, rule: OptimizerRule | None, cfg: OffloadConfig, itemsize: int, state_here: bool
 ) -> int:
-    """Bytes the files under ``nvme_path`` will take (each padded to 4 KiB); ``state_here``: master/state too."""
+    """Bytes the files under ``nvme_path`` take (each padded to 4 KiB); ``state_here``: master, state and gradients
+    live here too (the host update), rather than in near-storage devices' directories."""
     total = 0
     for sg in layout.subgroups:
         fp32 = align_up(sg.numel * 4)
         total += fp32 * (1 + len(rule.states)) if rule and state_here else 0
-        total += fp32 if cfg.grads == "nvme" else 0
+        total += fp32 if cfg.grads == "nvme" and state_here else 0
         streamed = not layout.blocks[sg.block].resident
         total += align_up(sg.numel * itemsize) if cfg.params == "nvme" and streamed else 0
     return total
@@ -90,8 +91,8 @@ class OffloadEngine:
         self.layout = build_layout(model, block_list, groups, offload.subgroup_size)
 
         root = Path(offload.nvme_path).expanduser().resolve()
-        state_here = update.backend == "host"
-        needed = planned_storage_bytes(self.layout, self.rule, offload, self.itemsize, state_here)
+        host_update = update.backend == "host"
+        needed = planned_storage_bytes(self.layout, self.rule, offload, self.itemsize, host_update)
         prepare_directory(root, needed, offload.check_free_space)
         self.root = root
         self.backend: IOBackend = make_backend(
@@ -102,13 +103,15 @@ class OffloadEngine:
         disk = FileStore(root, self.backend, self.counters, HOST_LINK)
         pin = device.type == "cuda"
         param_store: TensorStore = disk if offload.params == "nvme" else HostStore(pin=pin)
-        grad_store: TensorStore = disk if offload.grads == "nvme" else HostStore()
         self.params = ParamStreamer(self.layout, param_store, param_dtype, device, offload.prefetch)
-        self.grads = GradientAccumulator(self.layout, grad_store, offload.step_lookahead)
         self.updater: Updater | None = None
         self._device_backends: list[IOBackend] = []
         if self.rule is not None:
             self.updater = self._make_updater(self.rule, update, disk)
+        grad_store: TensorStore = disk if offload.grads == "nvme" else HostStore()
+        if isinstance(self.updater, SmartUpdater) and offload.grads == "nvme":
+            grad_store = self.updater.gradient_store()
+        self.grads = GradientAccumulator(self.layout, grad_store, offload.step_lookahead)
         self._grad_flat = aligned_bytes(self.layout.max_block_numel * 4)
         self._initialize()
 
@@ -124,13 +127,15 @@ class OffloadEngine:
         cfg = self.cfg
 
         def make_store(directory: Path, link: str, needed: int) -> FileStore:
-            prepare_directory(directory, needed, cfg.check_free_space)
+            key = f"update.devices[{link.removeprefix('device')}].path"
+            prepare_directory(directory, needed, cfg.check_free_space, key)
             backend = make_backend(cfg.io_backend, directory, cfg.io_threads, cfg.aio_intra_op_parallelism,
                                    cfg.aio_block_size, cfg.aio_queue_depth)  # fmt: skip
             self._device_backends.append(backend)
             return FileStore(directory, backend, self.counters, link)
 
-        return SmartUpdater(rule, specs, self.root, make_store, self.counters, self.layout, wire)
+        on_device = cfg.grads == "nvme"
+        return SmartUpdater(rule, specs, self.root, make_store, self.counters, self.layout, wire, on_device)
 
     def _initialize(self) -> None:
         if self.updater is not None:

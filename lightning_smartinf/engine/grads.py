@@ -44,7 +44,7 @@ class GradientAccumulator:
         raw = self.pool.acquire(sg.numel * 4)
         acc = typed_view(raw, torch.float32, sg.numel)
         if sg.index in self._written:
-            self._wait_pending()  # an earlier write of this subgroup may still be in flight
+            self.sync()  # an earlier write of this subgroup may still be in flight
             self.store.read(GRAD, sg.key, raw, sg.numel * 4).result()
             acc.add_(grad)
         else:
@@ -55,7 +55,8 @@ class GradientAccumulator:
         self._pending.append(write)
         self._written.add(sg.index)
 
-    def _wait_pending(self) -> None:
+    def sync(self) -> None:
+        """Wait until every gradient write has landed (and raise its error)."""
         pending, self._pending = self._pending, []
         for write in pending:
             write.result()
@@ -68,7 +69,7 @@ class GradientAccumulator:
 
     # -- GradientSource, for the updater --------------------------------------------------------------------------
     def fetch(self, sg: Subgroup) -> Future[torch.Tensor]:
-        self._wait_pending()
+        self.sync()
         raw = self.pool.acquire(sg.numel * 4)
         self._held[sg.index] = raw
         grad = typed_view(raw, torch.float32, sg.numel)
@@ -81,11 +82,14 @@ class GradientAccumulator:
         read.add_done_callback(lambda f: out.set_exception(f.exception()) if f.exception() else out.set_result(grad))
         return out
 
+    def holds(self, sg: Subgroup) -> bool:
+        return sg.index in self._written
+
     def release(self, sg: Subgroup) -> None:
         self.pool.release(self._held.pop(sg.index))
 
     def reset(self) -> None:
         """Forget the accumulated gradients (after a step, applied or skipped)."""
-        self._wait_pending()
+        self.sync()
         self._written.clear()
         self._norms.clear()

@@ -6,19 +6,28 @@ import shutil
 from pathlib import Path
 
 
-def prepare_directory(path: Path, needed: int, check_space: bool) -> None:
-    """Create ``path`` and make sure it can hold ``needed`` bytes, failing before anything is written."""
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError
+
+
+def prepare_directory(path: Path, needed: int, check_space: bool, key: str = "offload.nvme_path") -> None:
+    """Create ``path`` (the value of config key ``key``) and make sure it can hold ``needed`` bytes, failing before
+    anything is written."""
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise OSError(f"offload.nvme_path={str(path)!r} cannot be created: {err.strerror}") from err
+        raise OSError(f"{key}={str(path)!r} cannot be created: {err.strerror}") from err
     probe = path / ".smartinf_write_probe"
     try:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as err:
         raise PermissionError(
-            f"offload.nvme_path={str(path)!r} is not writable ({err.strerror}); point it at a directory you own"
+            f"{key}={str(path)!r} is not writable ({err.strerror}); point it at a directory you own"
         ) from err
     if not check_space:
         return
@@ -26,7 +35,6 @@ def prepare_directory(path: Path, needed: int, check_space: bool) -> None:
     free = shutil.disk_usage(path).free + reusable
     if needed > free:
         raise OSError(
-            f"offload.nvme_path={str(path)!r} has {free / 2**30:.2f} GiB free but the offloaded state needs "
-            f"{needed / 2**30:.2f} GiB: free space, choose another path, or set offload.params=cpu / "
-            "offload.grads=cpu to keep those in host memory"
+            f"{key}={str(path)!r} has {human_bytes(free)} free but the offloaded state needs {human_bytes(needed)}: "
+            "free space or choose another path (offload.params=cpu / offload.grads=cpu keep those in host memory)"
         )

@@ -66,6 +66,23 @@ class FileStore:
         return self.path(kind, key).exists()
 
 
+class RoutedStore:
+    """Sends each key to the store that owns it: gradients written straight into the directory of the
+    near-storage device that will update them."""
+
+    def __init__(self, owners: dict[str, TensorStore]) -> None:
+        self._owners = owners
+
+    def read(self, kind: str, key: str, buffer: torch.Tensor, payload: int) -> Future[None]:
+        return self._owners[key].read(kind, key, buffer, payload)
+
+    def write(self, kind: str, key: str, buffer: torch.Tensor, payload: int) -> Future[None]:
+        return self._owners[key].write(kind, key, buffer, payload)
+
+    def exists(self, kind: str, key: str) -> bool:
+        return self._owners[key].exists(kind, key)
+
+
 class HostStore:
     """The same interface in (pinned, on CUDA hosts) RAM: copies are synchronous and cross no storage link."""
 

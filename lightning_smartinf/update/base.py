@@ -45,6 +45,14 @@ class GradientSource(Protocol):
 
     def release(self, sg: Subgroup) -> None: ...
 
+    def sync(self) -> None:
+        """Wait until every accumulated gradient is stored."""
+        ...
+
+    def holds(self, sg: Subgroup) -> bool:
+        """Whether any gradient reached ``sg`` since the last step (else it steps with zeros)."""
+        ...
+
 
 class Updater(Protocol):
     name: str

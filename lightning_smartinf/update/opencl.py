@@ -68,7 +68,7 @@ def find_device(spec: DeviceSpec) -> Any:
     if not 0 <= spec.device < len(devices):
         raise RuntimeError(
             f"update=smart: platform {platforms[0].name!r} has {len(devices)} device(s), index {spec.device} does not "
-            f"exist. PoCL exposes more CPU devices with POCL_DEVICES=\"{' '.join(['pthread'] * (spec.device + 1))}\""
+            f'exist. PoCL exposes more CPU devices with POCL_DEVICES="{" ".join(["pthread"] * (spec.device + 1))}"'
         )
     return devices[spec.device]
 

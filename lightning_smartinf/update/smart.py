@@ -26,13 +26,15 @@ import torch
 from lightning_smartinf.engine.layout import Layout, Subgroup
 from lightning_smartinf.storage.aligned import align_up, aligned_bytes, typed_view
 from lightning_smartinf.storage.counters import READ, WRITE, TrafficCounters
-from lightning_smartinf.storage.store import FileStore
+from lightning_smartinf.storage.store import FileStore, RoutedStore
 from lightning_smartinf.update.base import GradientSource, StepContext
 from lightning_smartinf.update.opencl import DeviceSpec, build_program, ensure_pocl_devices, find_device
 from lightning_smartinf.update.optimizers import OptimizerRule
 
 MASTER = "master"
 HOST_LINK = "host"
+UPDATED = "updated_param"
+"""Kind of the parameters a device sends back (Smart-Infinity's 'updated params' on the host link)."""
 
 
 def kernel_scalars(rule: OptimizerRule, hyper: dict[str, Any], step: int) -> list[Any]:
@@ -88,7 +90,9 @@ class _Slot:
 @dataclass
 class _Job:
     sg: Subgroup
-    grad: torch.Tensor
+    grad: torch.Tensor | None
+    """The gradient sent from host memory, or None when it already sits in the device's directory."""
+    has_grad: bool
     ctx: StepContext
     kernel_args: list[Any] = field(default_factory=list)
 
@@ -105,6 +109,8 @@ class NearStorageDevice:
 
         self.cl, self.index, self.rule, self.store = cl, index, rule, store
         self.directory = directory
+        self.host_view = FileStore(store.root, store.backend, store.counters, HOST_LINK)
+        """The same directory as seen by the trainer, whose writes cross the host link."""
         self.device = find_device(spec)
         self.context = cl.Context([self.device])
         self.queue = cl.CommandQueue(self.context)
@@ -169,8 +175,14 @@ class NearStorageDevice:
                 typed_view(slot.host[spec.kind], torch.float32, sg.numel).fill_(spec.init)
             else:
                 reads.append(self.store.read(spec.kind, sg.key, slot.host[spec.kind], sg.numel * 4))
-        typed_view(slot.host["grad"], self.grad_dtype, sg.numel).copy_(job.grad)
-        self.store.counters.add(HOST_LINK, "grad", WRITE, job.grad.numel() * job.grad.element_size())
+        grad = typed_view(slot.host["grad"], self.grad_dtype, sg.numel)
+        if job.grad is not None:  # sent over the host link now
+            grad.copy_(job.grad)
+            self.store.counters.add(HOST_LINK, "grad", WRITE, job.grad.numel() * job.grad.element_size())
+        elif job.has_grad:  # written into this device's directory during backward; read over the device link
+            reads.append(self.store.read("grad", sg.key, slot.host["grad"], sg.numel * 4))
+        else:
+            grad.zero_()
         return reads
 
     def _arguments(self, slot: _Slot, job: _Job) -> list[Any]:
@@ -186,7 +198,7 @@ class NearStorageDevice:
         sg = slot.sg
         assert sg is not None
         params = typed_view(slot.host["param"], self.param_dtype, sg.numel).clone()
-        self.store.counters.add(HOST_LINK, "param", READ, params.numel() * params.element_size())
+        self.store.counters.add(HOST_LINK, UPDATED, READ, params.numel() * params.element_size())
         self._put((sg, params))
         for kind in (MASTER, *self.rule.state_kinds):
             slot.writes.append(self.store.write(kind, sg.key, slot.host[kind], sg.numel * 4))
@@ -223,19 +235,22 @@ class SmartUpdater:
         counters: TrafficCounters,
         layout: Layout,
         wire_dtype: torch.dtype,
+        grads_on_device: bool,
     ) -> None:
         self.rule = rule
+        self.grads_on_device = grads_on_device
         self.counters = counters
         self.wire_dtype = wire_dtype
         self.devices: list[NearStorageDevice] = []
         owned = [0] * len(specs)
         for sg in layout.subgroups:
-            owned[sg.index % len(specs)] += align_up(sg.numel * 4) * (1 + len(rule.states))
+            owned[sg.index % len(specs)] += align_up(sg.numel * 4) * (1 + len(rule.states) + grads_on_device)
         for k, spec in enumerate(specs):
             directory = Path(spec.path).expanduser().resolve() if spec.path else root / f"device{k}"
             store = make_store(directory, f"device{k}", owned[k])
             self.devices.append(NearStorageDevice(k, spec, directory, rule, store, layout.max_subgroup_numel,
                                                   wire_dtype))  # fmt: skip
+        self._routes = {sg.key: self.owner(sg).host_view for sg in layout.subgroups}
         wire = "fp32" if wire_dtype == torch.float32 else str(wire_dtype).replace("torch.", "")
         self.name = f"smart ({len(self.devices)} OpenCL device(s): {self.devices[0].device.name}; {wire} on the wire)"
 
@@ -245,6 +260,11 @@ class SmartUpdater:
 
     def owner(self, sg: Subgroup) -> NearStorageDevice:
         return self.devices[sg.index % len(self.devices)]
+
+    def gradient_store(self) -> RoutedStore:
+        """Where the trainer writes accumulated gradients: each into its owning device's directory, over the host
+        link; the device then reads it over its own link during the step."""
+        return RoutedStore(dict(self._routes))
 
     def initialize(self, subgroups: Sequence[Subgroup], master_of: Callable[[Subgroup], torch.Tensor]) -> None:
         for sg in subgroups:
@@ -260,10 +280,14 @@ class SmartUpdater:
             device.outbox = outbox
         scalars = [kernel_scalars(self.rule, hyper, ctx.step) for hyper in ctx.hyper]
         pending = 0
+        grads.sync()
         for sg in subgroups:
-            grad = grads.fetch(sg).result()
-            job = _Job(sg, grad.to(self.wire_dtype, copy=True), ctx, scalars[sg.param_group])
-            grads.release(sg)
+            if self.grads_on_device:
+                job = _Job(sg, None, grads.holds(sg), ctx, scalars[sg.param_group])
+            else:
+                grad = grads.fetch(sg).result()
+                job = _Job(sg, grad.to(self.wire_dtype, copy=True), True, ctx, scalars[sg.param_group])
+                grads.release(sg)
             device = self.owner(sg)
             while True:  # hand the job over, yielding finished subgroups while the device is busy
                 try:
