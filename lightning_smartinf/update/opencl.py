@@ -19,6 +19,17 @@ from lightning_smartinf.resources import asset_dir
 KERNEL_SOURCE = "optimizers.cl"
 DEFAULT_PLATFORM = "Portable Computing Language"
 FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+VECTOR_WIDTH = 8
+"""Elements per work-item (VEC in the kernel source)."""
+WORK_GROUP = 128
+
+
+def launch_shape(numel: int) -> tuple[tuple[int], tuple[int]]:
+    """Global and local sizes for ``numel`` elements: one work-item per vector, whole work-groups."""
+    items = -(-numel // VECTOR_WIDTH)
+    return (-(-items // WORK_GROUP) * WORK_GROUP,), (WORK_GROUP,)
+
+
 INSTALL_HINT = 'install PoCL with `pip install "pyopencl[pocl]"` (a CPU OpenCL driver), or your vendor\'s ICD'
 
 

@@ -28,7 +28,7 @@ from lightning_smartinf.storage.aligned import align_up, aligned_bytes, typed_vi
 from lightning_smartinf.storage.counters import READ, WRITE, TrafficCounters
 from lightning_smartinf.storage.store import FileStore, RoutedStore
 from lightning_smartinf.update.base import GradientSource, StepContext
-from lightning_smartinf.update.opencl import DeviceSpec, build_program, ensure_pocl_devices, find_device
+from lightning_smartinf.update.opencl import DeviceSpec, build_program, ensure_pocl_devices, find_device, launch_shape
 from lightning_smartinf.update.optimizers import OptimizerRule
 
 MASTER = "master"
@@ -156,7 +156,7 @@ class NearStorageDevice:
                 for read in reads:
                     read.result()
                 slot.unmap(self.queue)
-                event = self.kernel(self.queue, (job.sg.numel,), None, *self._arguments(slot, job))
+                event = self.kernel(self.queue, *launch_shape(job.sg.numel), *self._arguments(slot, job))
                 previous = (slot, event)
             except BaseException as err:  # noqa: BLE001 - surfaced to the trainer's thread
                 previous = None
