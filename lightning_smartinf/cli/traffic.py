@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,8 +69,8 @@ def _flat(table: dict[str, dict[str, int]]) -> dict[str, int]:
 
 
 def format_row(name: str, delta: dict[str, int], params: int) -> str:
-    def per_param(pred: object) -> float:
-        return sum(v for k, v in delta.items() if pred(k)) / params  # type: ignore[operator]
+    def per_param(pred: Callable[[str], bool]) -> float:
+        return sum(v for k, v in delta.items() if pred(k)) / params
 
     host_update = per_param(lambda k: k.startswith("host/") and k.split("/")[-1] in UPDATE_KINDS)
     host_read = per_param(lambda k: k.startswith("host/read/") and k.split("/")[-1] in UPDATE_KINDS)

@@ -1,0 +1,36 @@
+"""The measurement commands run and print what docs/ quotes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_module(module: str, *args: str, cwd: Path) -> str:
+    done = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=600, cwd=cwd)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_traffic_table(tmp_path: Path) -> None:
+    out = run_module("lightning_smartinf.cli.traffic", "--layers", "1", "--width", "64", "--devices", "2",
+                     cwd=tmp_path)  # fmt: skip
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "**" in line]
+    totals = [row.split("**")[1] for row in rows]
+    assert totals == ["32.00", "8.00", "8.00", "4.00"]
+
+
+def test_kernel_bench_small(tmp_path: Path) -> None:
+    out = run_module("lightning_smartinf.cli.kernel_bench", "--params", "100000", "--reps", "1",
+                     "--json", str(tmp_path / "k.json"), cwd=tmp_path)  # fmt: skip
+    assert "OpenCL / DeepSpeed throughput" in out and (tmp_path / "k.json").is_file()
+
+
+def test_train_with_smart_update(tmp_path: Path) -> None:
+    out = run_module("lightning_smartinf.cli.train", "update=smart", "update.devices=2", "trainer.max_steps=4",
+                     "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
+                     f"trainer.output_dir={tmp_path / 'runs'}", f"offload.nvme_path={tmp_path / 'state'}",
+                     cwd=tmp_path)  # fmt: skip
+    assert "smart (2 OpenCL device(s)" in out and "device1/read" in out
+    assert (tmp_path / "state" / "device1" / "master").is_dir()
