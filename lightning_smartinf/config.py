@@ -93,8 +93,24 @@ class UpdateConfig:
             raise ValueError(f"update.devices={self.devices!r}: give a count or a list of {{platform, device, path}}")
 
 
-def check_combination(offload: OffloadConfig, update: UpdateConfig) -> None:
+def check_combination(offload: OffloadConfig, update: UpdateConfig, compression: CompressionConfig) -> None:
     """Rules across groups, checked when the strategy is built."""
+    if compression.kind != "none":
+        if update.backend != "smart":
+            raise ValueError(
+                f"compression.kind={compression.kind} needs update.backend=smart: the gradient is decompressed on the "
+                "near-storage device that updates it (the host update reads dense gradients)"
+            )
+        if offload.grads != "cpu":
+            raise ValueError(
+                f"compression.kind={compression.kind} selects from the accumulated gradient on the training side "
+                "before it crosses the host link: set offload.grads=cpu"
+            )
+        if update.wire != "fp32":
+            raise ValueError(
+                f"compression.kind={compression.kind} sends its own 16-bit values (compression.value_dtype) and "
+                "decompresses into fp32 on the device: use update.wire=fp32"
+            )
     if update.backend == "smart" and update.wire == "16bit" and offload.grads == "nvme":
         raise ValueError(
             "update.wire=16bit sends gradients as 16-bit from host memory; with offload.grads=nvme they are written "
@@ -104,13 +120,33 @@ def check_combination(offload: OffloadConfig, update: UpdateConfig) -> None:
 
 @dataclass
 class CompressionConfig:
-    """Gradient compression between the training device and the updater."""
+    """Gradient compression between the training device and the updater (SmartComp)."""
 
     kind: str = "none"
-    """``none``: gradients travel dense."""
+    """``none``: gradients travel dense. ``topk``: the largest ``keep`` fraction per block travels as int32
+    indices + 16-bit values and is decompressed on the near-storage device (needs update=smart)."""
+    keep: float = 0.01
+    """Fraction of each block's elements sent, in (0, 1]."""
+    block: int = 4096
+    """Elements per selection block."""
+    error_feedback: bool = False
+    """Keep what was not sent on the training side and add it back before the next selection."""
+    warmup_steps: int = 0
+    """Optimizer steps that send dense gradients before compression starts."""
+    value_dtype: str = "bf16"
+    """16-bit type of the values on the wire: ``bf16`` or ``fp16``."""
+    residual_budget_mb: float = 1024.0
+    """Error-feedback residual kept fp32 in training-device memory up to this many MiB; the rest in 16-bit host RAM."""
 
     def __post_init__(self) -> None:
-        _check_choice("compression.kind", self.kind, ("none",))
+        _check_choice("compression.kind", self.kind, ("none", "topk"))
+        _check_choice("compression.value_dtype", self.value_dtype, ("bf16", "fp16"))
+        if not 0.0 < self.keep <= 1.0:
+            raise ValueError(f"compression.keep={self.keep} must be in (0, 1]: the fraction of elements sent")
+        _check_positive("compression.block", self.block)
+        _check_positive("compression.warmup_steps", self.warmup_steps, 0)
+        if self.residual_budget_mb < 0:
+            raise ValueError(f"compression.residual_budget_mb={self.residual_budget_mb} must be >= 0")
 
 
 @dataclass

@@ -59,7 +59,7 @@ class SmartInfinityStrategy(Strategy):
         self.update = coerce(UpdateConfig, update, "update")
         self.compression = coerce(CompressionConfig, compression, "compression")
         self.schedule = coerce(ScheduleConfig, schedule, "schedule")
-        check_combination(self.offload, self.update)
+        check_combination(self.offload, self.update, self.compression)
         self.parallel_devices: list[torch.device] | None = None
         self.engine: OffloadEngine | None = None
         self.global_rank = self.local_rank = self.node_rank = 0
@@ -119,7 +119,7 @@ class SmartInfinityStrategy(Strategy):
             optimizer = self.optimizers[0] if self.optimizers else None
             self.engine = OffloadEngine(
                 self.model, optimizer, self.offload, self.update, self.root_device, precision.param_dtype,
-                loss_scaling=precision.precision == "16-mixed",
+                loss_scaling=precision.precision == "16-mixed", compression=self.compression,
             )  # fmt: skip
             log.info(
                 "smart_infinity: %d params in %d blocks, %d subgroups; storage %s; update %s; host buffers %.1f MiB",

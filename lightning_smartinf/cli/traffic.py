@@ -3,7 +3,7 @@
 Runs two iterations (backward + step) of a GPT recipe's model under each configuration and prints the second
 one's traffic (the first step starts optimizer state in memory), split by link and kind. The columns reproduce
 Smart-Infinity's Table I: the host update moves 32 B/param over the host link; SmartUpdate 8 B (fp32 on the wire)
-or 4 B (16-bit), with the optimizer state moving inside the devices instead.
+or 4 B (16-bit), with the optimizer state moving inside the devices instead; SmartComp at keep=0.01 about 4.06 B.
 
     smartinf-traffic --layers 4 --width 256 --devices 2
 """
@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lightning_smartinf.config import OffloadConfig, UpdateConfig
+from lightning_smartinf.config import CompressionConfig, OffloadConfig, UpdateConfig
 from lightning_smartinf.engine.engine import OffloadEngine
 from lightning_smartinf.models.gpt import GPT, GPTConfig
 
-UPDATE_KINDS = ("grad", "master", "exp_avg", "exp_avg_sq", "updated_param")
+UPDATE_KINDS = ("grad", "grad_index", "grad_value", "master", "exp_avg", "exp_avg_sq", "updated_param")
 
 
 @dataclass
@@ -32,6 +32,7 @@ class Scenario:
     update: dict[str, object]
     grads: str
     dtype: torch.dtype
+    compression: CompressionConfig | None = None
 
 
 def scenarios(devices: int) -> list[Scenario]:
@@ -41,7 +42,9 @@ def scenarios(devices: int) -> list[Scenario]:
         Scenario("SmartUpdate, fp32 wire, grads sent from host RAM", smart, "cpu", torch.float32),
         Scenario("SmartUpdate, fp32 grads written into the devices", smart, "nvme", torch.float32),
         Scenario("SmartUpdate, 16-bit wire (bf16)", {**smart, "wire": "16bit"}, "cpu", torch.bfloat16),
-    ]
+        Scenario("SmartUpdate + SmartComp top-k keep=0.01 (fp32 params back)", smart, "cpu", torch.float32,
+                 CompressionConfig(kind="topk", keep=0.01)),
+    ]  # fmt: skip
 
 
 def iteration_traffic(model_cfg: GPTConfig, scenario: Scenario, root: Path) -> tuple[dict[str, int], int]:
@@ -50,7 +53,7 @@ def iteration_traffic(model_cfg: GPTConfig, scenario: Scenario, root: Path) -> t
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     engine = OffloadEngine(model, optimizer, OffloadConfig(nvme_path=str(root), grads=scenario.grads,
                            subgroup_size=1 << 20), UpdateConfig(**scenario.update),  # type: ignore[arg-type]
-                           torch.device("cpu"), scenario.dtype)  # fmt: skip
+                           torch.device("cpu"), scenario.dtype, compression=scenario.compression)  # fmt: skip
     tokens = torch.randint(0, 256, (2, 65))
     before: dict[str, int] = {}
     for _ in range(2):

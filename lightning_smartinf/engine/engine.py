@@ -16,7 +16,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_smartinf.config import OffloadConfig, UpdateConfig
+from lightning_smartinf.compress.topk import TopKCompressor
+from lightning_smartinf.config import CompressionConfig, OffloadConfig, UpdateConfig
 from lightning_smartinf.engine.grads import GradientAccumulator
 from lightning_smartinf.engine.layout import Layout, ParamSlot, Subgroup, build_layout
 from lightning_smartinf.engine.loss_scale import DynamicLossScaler
@@ -71,6 +72,7 @@ class OffloadEngine:
         device: torch.device,
         param_dtype: torch.dtype,
         loss_scaling: bool = False,
+        compression: CompressionConfig | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -84,6 +86,7 @@ class OffloadEngine:
         self.clip_norm: float | None = None
         self.step_count = 0
         self.micro_batches = 0
+        self.compression = compression or CompressionConfig()
 
         block_list = find_blocks(model)
         self.block_modules = [m for _, m in block_list]
@@ -135,7 +138,10 @@ class OffloadEngine:
             return FileStore(directory, backend, self.counters, link)
 
         on_device = cfg.grads == "nvme"
-        return SmartUpdater(rule, specs, self.root, make_store, self.counters, self.layout, wire, on_device)
+        compressor = None
+        if self.compression.kind == "topk":
+            compressor = TopKCompressor(self.compression, self.layout, self.device)
+        return SmartUpdater(rule, specs, self.root, make_store, self.counters, self.layout, wire, on_device, compressor)
 
     def _initialize(self) -> None:
         if self.updater is not None:

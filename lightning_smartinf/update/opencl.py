@@ -17,6 +17,7 @@ import torch
 from lightning_smartinf.resources import asset_dir
 
 KERNEL_SOURCE = "optimizers.cl"
+SPARSE_SOURCE = "sparse.cl"
 DEFAULT_PLATFORM = "Portable Computing Language"
 FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 VECTOR_WIDTH = 8
@@ -85,11 +86,15 @@ def find_device(spec: DeviceSpec) -> Any:
 
 
 def build_program(context: Any, device: Any, grad_dtype: torch.dtype, param_dtype: torch.dtype,
-                  binary: str | None) -> Any:  # fmt: skip
-    """Build ``fpga_kernels/optimizers.cl`` for this device (or load a prebuilt binary), showing the log on failure."""
+                  binary: str | None, source_name: str = KERNEL_SOURCE) -> Any:  # fmt: skip
+    """Build ``fpga_kernels/<source_name>`` for this device (or load a prebuilt binary), showing the log on failure.
+
+    ``grad_dtype`` and ``param_dtype`` set GRAD_FORMAT/PARAM_FORMAT (the sparse kernels read VALUE_FORMAT from
+    ``grad_dtype``)."""
     import pyopencl as cl
 
-    options = [f"-DGRAD_FORMAT={FORMATS[grad_dtype]}", f"-DPARAM_FORMAT={FORMATS[param_dtype]}"]
+    options = [f"-DGRAD_FORMAT={FORMATS[grad_dtype]}", f"-DPARAM_FORMAT={FORMATS[param_dtype]}",
+               f"-DVALUE_FORMAT={FORMATS[grad_dtype]}"]  # fmt: skip
     if binary is not None:
         data = Path(binary).read_bytes()
         try:
@@ -99,8 +104,8 @@ def build_program(context: Any, device: Any, grad_dtype: torch.dtype, param_dtyp
                 f"update=smart: the kernel binary {binary} does not load on {device.name!r} (built for another device "
                 f"or platform?): {err}"
             ) from err
-    source = (asset_dir("fpga_kernels") / KERNEL_SOURCE).read_text()
+    source = (asset_dir("fpga_kernels") / source_name).read_text()
     try:
         return cl.Program(context, source).build(options=options)
     except cl.Error as err:
-        raise RuntimeError(f"update=smart: {KERNEL_SOURCE} failed to build on {device.name!r}:\n{err}") from err
+        raise RuntimeError(f"update=smart: {source_name} failed to build on {device.name!r}:\n{err}") from err

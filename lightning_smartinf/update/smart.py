@@ -23,17 +23,28 @@ from typing import Any
 import numpy as np
 import torch
 
+from lightning_smartinf.compress.topk import VALUE_DTYPES, SparseGradient, TopKCompressor, max_nnz
+from lightning_smartinf.config import CompressionConfig
 from lightning_smartinf.engine.layout import Layout, Subgroup
 from lightning_smartinf.storage.aligned import align_up, aligned_bytes, typed_view
 from lightning_smartinf.storage.counters import READ, WRITE, TrafficCounters
 from lightning_smartinf.storage.store import FileStore, RoutedStore
 from lightning_smartinf.update.base import GradientSource, StepContext
-from lightning_smartinf.update.opencl import DeviceSpec, build_program, ensure_pocl_devices, find_device, launch_shape
+from lightning_smartinf.update.opencl import (
+    SPARSE_SOURCE,
+    DeviceSpec,
+    build_program,
+    ensure_pocl_devices,
+    find_device,
+    launch_shape,
+)
 from lightning_smartinf.update.optimizers import OptimizerRule
 
 MASTER = "master"
 HOST_LINK = "host"
 UPDATED = "updated_param"
+INDEX, VALUE = "grad_index", "grad_value"
+"""Kinds of a compressed gradient on the host link."""
 """Kind of the parameters a device sends back (Smart-Infinity's 'updated params' on the host link)."""
 
 
@@ -58,11 +69,13 @@ class _Slot:
     """One fixed set of device buffers: master, optimizer state, gradient in, parameters out."""
 
     def __init__(self, cl: Any, context: Any, rule: OptimizerRule, numel: int, grad_dtype: torch.dtype,
-                 param_dtype: torch.dtype) -> None:  # fmt: skip
-        itemsize = {k: 4 for k in (MASTER, *rule.state_kinds)}
-        itemsize["grad"] = torch.empty((), dtype=grad_dtype).element_size()
-        itemsize["param"] = torch.empty((), dtype=param_dtype).element_size()
-        self.host = {kind: aligned_bytes(numel * size) for kind, size in itemsize.items()}
+                 param_dtype: torch.dtype, max_nnz: int) -> None:  # fmt: skip
+        sizes = {k: 4 * numel for k in (MASTER, *rule.state_kinds)}
+        sizes["grad"] = torch.empty((), dtype=grad_dtype).element_size() * numel
+        sizes["param"] = torch.empty((), dtype=param_dtype).element_size() * numel
+        if max_nnz:  # SmartComp: int32 indices and 16-bit values in, decompressed into "grad"
+            sizes[INDEX], sizes[VALUE] = 4 * max_nnz, 2 * max_nnz
+        self.host = {kind: aligned_bytes(size) for kind, size in sizes.items()}
         flags = cl.mem_flags.READ_WRITE | cl.mem_flags.USE_HOST_PTR
         self.buffers = {kind: cl.Buffer(context, flags, hostbuf=raw.numpy()) for kind, raw in self.host.items()}
         self.maps: list[Any] = []
@@ -94,6 +107,7 @@ class _Job:
     """The gradient sent from host memory, or None when it already sits in the device's directory."""
     has_grad: bool
     ctx: StepContext
+    sparse: SparseGradient | None
     kernel_args: list[Any] = field(default_factory=list)
 
 
@@ -101,7 +115,7 @@ class NearStorageDevice:
     """An OpenCL device, the directory it owns, and a worker thread running its transfer handler."""
 
     def __init__(self, index: int, spec: DeviceSpec, directory: Path, rule: OptimizerRule, store: FileStore,
-                 max_numel: int, wire_dtype: torch.dtype) -> None:  # fmt: skip
+                 max_numel: int, wire_dtype: torch.dtype, compression: CompressionConfig | None) -> None:  # fmt: skip
         """``wire_dtype`` is both the gradient's dtype in and the parameters' dtype out."""
         import pyopencl as cl
 
@@ -116,7 +130,13 @@ class NearStorageDevice:
         self.queue = cl.CommandQueue(self.context)
         self.program = build_program(self.context, self.device, grad_dtype, param_dtype, spec.binary)
         self.kernel = getattr(self.program, rule.name if rule.name != "adamw" else "adam")
-        self.slots = [_Slot(cl, self.context, rule, max_numel, grad_dtype, param_dtype) for _ in range(2)]
+        nnz = 0
+        if compression is not None:
+            values = VALUE_DTYPES[compression.value_dtype]
+            sparse = build_program(self.context, self.device, values, values, None, SPARSE_SOURCE)
+            self.zero_fill, self.scatter = sparse.zero_fill, sparse.scatter
+            nnz = max_nnz(max_numel, compression)
+        self.slots = [_Slot(cl, self.context, rule, max_numel, grad_dtype, param_dtype, nnz) for _ in range(2)]
         for slot in self.slots:
             slot.map(cl, self.queue)
         self.grad_dtype, self.param_dtype = grad_dtype, param_dtype
@@ -156,6 +176,11 @@ class NearStorageDevice:
                 for read in reads:
                     read.result()
                 slot.unmap(self.queue)
+                if job.sparse is not None:  # decompress on the device: zero-fill, scatter (in-order queue)
+                    n, nnz = np.uint32(job.sg.numel), np.uint32(job.sparse.indices.numel())
+                    self.zero_fill(self.queue, (job.sg.numel,), None, slot.buffers["grad"], n)
+                    self.scatter(self.queue, (int(nnz),), None, slot.buffers["grad"], n, slot.buffers[INDEX],
+                                 slot.buffers[VALUE], nnz)  # fmt: skip
                 event = self.kernel(self.queue, *launch_shape(job.sg.numel), *self._arguments(slot, job))
                 previous = (slot, event)
             except BaseException as err:  # noqa: BLE001 - surfaced to the trainer's thread
@@ -176,7 +201,13 @@ class NearStorageDevice:
             else:
                 reads.append(self.store.read(spec.kind, sg.key, slot.host[spec.kind], sg.numel * 4))
         grad = typed_view(slot.host["grad"], self.grad_dtype, sg.numel)
-        if job.grad is not None:  # sent over the host link now
+        if job.sparse is not None:  # compressed: indices and values over the host link, scattered on the device
+            nnz = job.sparse.indices.numel()
+            typed_view(slot.host[INDEX], torch.int32, nnz).copy_(job.sparse.indices)
+            typed_view(slot.host[VALUE], job.sparse.values.dtype, nnz).copy_(job.sparse.values)
+            self.store.counters.add(HOST_LINK, INDEX, WRITE, nnz * 4)
+            self.store.counters.add(HOST_LINK, VALUE, WRITE, nnz * job.sparse.values.element_size())
+        elif job.grad is not None:  # sent over the host link now
             grad.copy_(job.grad)
             self.store.counters.add(HOST_LINK, "grad", WRITE, job.grad.numel() * job.grad.element_size())
         elif job.has_grad:  # written into this device's directory during backward; read over the device link
@@ -236,8 +267,10 @@ class SmartUpdater:
         layout: Layout,
         wire_dtype: torch.dtype,
         grads_on_device: bool,
+        compressor: TopKCompressor | None = None,
     ) -> None:
         self.rule = rule
+        self.compressor = compressor
         self.grads_on_device = grads_on_device
         self.counters = counters
         self.wire_dtype = wire_dtype
@@ -248,8 +281,9 @@ class SmartUpdater:
         for k, spec in enumerate(specs):
             directory = Path(spec.path).expanduser().resolve() if spec.path else root / f"device{k}"
             store = make_store(directory, f"device{k}", owned[k])
+            compression = compressor.cfg if compressor is not None else None
             self.devices.append(NearStorageDevice(k, spec, directory, rule, store, layout.max_subgroup_numel,
-                                                  wire_dtype))  # fmt: skip
+                                                  wire_dtype, compression))  # fmt: skip
         self._routes = {sg.key: self.owner(sg).host_view for sg in layout.subgroups}
         wire = "fp32" if wire_dtype == torch.float32 else str(wire_dtype).replace("torch.", "")
         self.name = f"smart ({len(self.devices)} OpenCL device(s): {self.devices[0].device.name}; {wire} on the wire)"
@@ -283,10 +317,13 @@ class SmartUpdater:
         grads.sync()
         for sg in subgroups:
             if self.grads_on_device:
-                job = _Job(sg, None, grads.holds(sg), ctx, scalars[sg.param_group])
+                job = _Job(sg, None, grads.holds(sg), ctx, None, scalars[sg.param_group])
             else:
                 grad = grads.fetch(sg).result()
-                job = _Job(sg, grad.to(self.wire_dtype, copy=True), True, ctx, scalars[sg.param_group])
+                if self.compressor is not None and ctx.step > self.compressor.cfg.warmup_steps:
+                    job = _Job(sg, None, True, ctx, self.compressor.compress(sg, grad), scalars[sg.param_group])
+                else:
+                    job = _Job(sg, grad.to(self.wire_dtype, copy=True), True, ctx, None, scalars[sg.param_group])
                 grads.release(sg)
             device = self.owner(sg)
             while True:  # hand the job over, yielding finished subgroups while the device is busy

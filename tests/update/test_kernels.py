@@ -60,6 +60,35 @@ def run_kernel(platform: str, name: str, grad_dtype: torch.dtype, param_dtype: t
     return master, reference, params
 
 
+def run_scatter(platform: str, values_dtype: torch.dtype, n: int = 1003, nnz: int = 37) -> tuple[torch.Tensor, ...]:
+    """Zero-fill and scatter on the device; return (device result, the PyTorch reference)."""
+    import pyopencl as cl
+
+    from lightning_smartinf.compress.topk import SparseGradient
+    from lightning_smartinf.update.opencl import SPARSE_SOURCE
+
+    device = find_device(DeviceSpec(platform=platform))
+    ctx = cl.Context([device])
+    queue = cl.CommandQueue(ctx)
+    program = build_program(ctx, device, values_dtype, values_dtype, None, SPARSE_SOURCE)
+    gen = torch.Generator().manual_seed(0)
+    indices = torch.randperm(n, generator=gen)[:nnz].sort().values.to(torch.int32)
+    values = torch.randn(nnz, generator=gen).to(values_dtype)
+    dense = torch.full((n,), 7.0)  # stale contents the zero-fill must clear
+    flags = cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR
+    bufs = [cl.Buffer(ctx, flags, hostbuf=t.view(torch.uint8).numpy()) for t in (dense, indices, values)]
+    program.zero_fill(queue, (n,), None, bufs[0], np.uint32(n))
+    program.scatter(queue, (nnz,), None, bufs[0], np.uint32(n), bufs[1], bufs[2], np.uint32(nnz))
+    cl.enqueue_copy(queue, dense.view(torch.uint8).numpy(), bufs[0])
+    return dense, SparseGradient(indices, values, n).to_dense()
+
+
+@pytest.mark.parametrize("fmt", [torch.bfloat16, torch.float16])
+def test_scatter_matches_torch(fmt: torch.dtype) -> None:
+    got, want = run_scatter("Portable", fmt)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("name", list(RULES))
 def test_kernel_matches_torch_fp32(name: str) -> None:
     got, want, params = run_kernel("Portable", name, torch.float32, torch.float32)
@@ -85,6 +114,8 @@ def test_kernels_under_oclgrind_have_no_invalid_access() -> None:
             run_kernel("Oclgrind", name, torch.float32, torch.float32, steps=2, n=70)
         run_kernel("Oclgrind", "adam", torch.bfloat16, torch.bfloat16, steps=1, n=70)
         run_kernel("Oclgrind", "adam", torch.float16, torch.float16, steps=1, n=70)
+        from test_kernels import run_scatter
+        run_scatter("Oclgrind", torch.bfloat16, n=70, nnz=9)
         print("ran")
         """
     )

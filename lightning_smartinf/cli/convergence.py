@@ -1,0 +1,100 @@
+"""``smartinf-convergence``: validation loss of SmartComp settings against uncompressed training, same seed and steps.
+
+Trains the tiny recipe on the default corpus with SmartUpdate once per setting (uncompressed; top-k keep=0.01
+without and with error feedback; keep=0.05), then writes a Markdown table and a PNG of the validation curves.
+
+    smartinf-convergence --steps 300 --out docs/
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from lightning_smartinf.cli.config import TrainConfig, register_configs  # noqa: E402
+from lightning_smartinf.cli.train import run  # noqa: E402
+from lightning_smartinf.resources import asset_dir  # noqa: E402
+
+SETTINGS = {
+    "uncompressed": [],
+    "top-k keep=0.01": ["compression=topk", "compression.keep=0.01"],
+    "top-k keep=0.01 + error feedback": [
+        "compression=topk",
+        "compression.keep=0.01",
+        "compression.error_feedback=true",
+    ],
+    "top-k keep=0.05": ["compression=topk", "compression.keep=0.05"],
+}
+
+
+def compose_run(overrides: list[str]) -> TrainConfig:
+    with initialize_config_dir(str(asset_dir("conf")), version_base=None):
+        cfg = compose("config", overrides=overrides)
+    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+
+
+def val_curve(metrics_csv: Path) -> list[tuple[int, float]]:
+    with metrics_csv.open() as f:
+        return [(int(r["step"]), float(r["val_loss"])) for r in csv.DictReader(f) if r.get("val_loss")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--out", default="convergence")
+    parser.add_argument("--work", default="smartinf_runs/convergence")
+    args = parser.parse_args()
+    register_configs()
+    out, work = Path(args.out), Path(args.work)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for name, extra in SETTINGS.items():
+        slug = name.replace(" ", "_").replace("=", "").replace("+", "ef").replace("-", "")
+        overrides = ["update=smart", "update.devices=2", "offload.grads=cpu", f"trainer.max_steps={args.steps}",
+                     f"trainer.val_check_interval={max(args.steps // 6, 1)}", "trainer.limit_val_batches=8",
+                     f"offload.nvme_path={work / slug / 'state'}", *extra]  # fmt: skip
+        run_dir = work / slug
+        run_dir.mkdir(parents=True, exist_ok=True)
+        result = run(compose_run(overrides), run_dir)
+        summary = result["summary"]
+        assert isinstance(summary, dict)
+        results[name] = {
+            "val_loss": result["val_loss"],
+            "curve": val_curve(Path(str(result["metrics"]))),
+            "host_link_B_per_param_step": summary["host_link_bytes_per_param_per_step"],
+            "overrides": extra,
+        }
+    base = results["uncompressed"]["val_loss"]
+    lines = [
+        f"| setting | validation loss after {args.steps} steps | vs uncompressed | overrides |",
+        "|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        lines.append(f"| {name} | {r['val_loss']:.4f} | {100 * (r['val_loss'] / base - 1):+.2f}% | "
+                     f"`{' '.join(r['overrides']) or '-'}` |")  # fmt: skip
+    table = "\n".join(lines)
+    print(table)
+    (out / "convergence.md").write_text(table + "\n")
+    (out / "convergence.json").write_text(json.dumps(results, indent=2))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, r in results.items():
+        steps, losses = zip(*r["curve"], strict=True)
+        ax.plot(steps, losses, "o-", label=name)
+    ax.set(xlabel="optimizer step", ylabel="validation loss (nats/byte)", title="SmartComp convergence, gpt_tiny")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "convergence.png", dpi=100)
+    print(f"wrote {out / 'convergence.md'} and {out / 'convergence.png'}")
+
+
+if __name__ == "__main__":
+    main()

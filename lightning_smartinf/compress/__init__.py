@@ -1,0 +1,1 @@
+"""Gradient compression on the training side (SmartComp)."""

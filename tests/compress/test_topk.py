@@ -1,0 +1,66 @@
+"""Top-k selection, wire format and error feedback against plain PyTorch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_smartinf.compress.topk import TopKCompressor, max_nnz
+from lightning_smartinf.config import CompressionConfig
+from lightning_smartinf.engine.layout import Layout, Subgroup
+
+
+def layout_of(numel: int) -> tuple[Layout, Subgroup]:
+    sg = Subgroup(index=0, block=0, param_group=0, offset=0, numel=numel)
+    return Layout(blocks=[], subgroups=[sg]), sg
+
+
+def test_selects_the_largest_magnitudes_of_each_block() -> None:
+    cfg = CompressionConfig(kind="topk", keep=0.01, block=1000)
+    layout, sg = layout_of(2500)  # two full blocks and a tail of 500
+    grad = torch.randn(2500, generator=torch.Generator().manual_seed(0))
+    sparse = TopKCompressor(cfg, layout, torch.device("cpu")).compress(sg, grad)
+    expected = []
+    for start, stop, k in ((0, 1000, 10), (1000, 2000, 10), (2000, 2500, 5)):
+        expected.append(grad[start:stop].abs().topk(k).indices + start)
+    assert torch.equal(sparse.indices.long(), torch.cat(expected).sort().values)
+    assert sparse.indices.dtype == torch.int32 and sparse.values.dtype == torch.bfloat16
+    assert torch.equal(sparse.values, grad[sparse.indices.long()].to(torch.bfloat16))
+    assert sparse.indices.numel() == max_nnz(2500, cfg) == 25
+    assert sparse.nbytes == 25 * 6
+
+
+def test_wire_ratio_formula() -> None:
+    cfg = CompressionConfig(kind="topk", keep=0.01, block=4096)
+    layout, sg = layout_of(4096 * 16)
+    ratio = TopKCompressor(cfg, layout, torch.device("cpu")).wire_ratio(sg.numel)
+    assert ratio == pytest.approx(41 * 16 * 6 / (4096 * 16 * 4))  # round(0.01 * 4096) = 41 per block
+
+
+def test_error_feedback_keeps_exactly_what_was_not_sent() -> None:
+    cfg = CompressionConfig(kind="topk", keep=0.05, block=100, error_feedback=True)
+    layout, sg = layout_of(300)
+    compressor = TopKCompressor(cfg, layout, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(1)
+    g1, g2 = torch.randn(300, generator=gen), torch.randn(300, generator=gen)
+    first = compressor.compress(sg, g1)
+    residual = compressor._residuals[0].clone()
+    torch.testing.assert_close(first.to_dense() + residual, g1, rtol=0, atol=1e-6)
+    second = compressor.compress(sg, g2)
+    torch.testing.assert_close(second.to_dense() + compressor._residuals[0], g2 + residual, rtol=0, atol=1e-6)
+
+
+def test_residual_placement_follows_the_budget() -> None:
+    subgroups = [Subgroup(index=i, block=0, param_group=0, offset=0, numel=2**18) for i in range(3)]
+    cfg = CompressionConfig(kind="topk", error_feedback=True, residual_budget_mb=2.0)  # room for two fp32 residuals
+    compressor = TopKCompressor(cfg, Layout(blocks=[], subgroups=subgroups), torch.device("cpu"))
+    assert compressor.residual_bytes == {"cpu/float32": 2 * 2**20, "cpu/bfloat16": 2**19}
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"keep": 0.0}, "compression.keep=0.0 must be in"), ({"keep": 1.5}, "compression.keep=1.5 must be in"),
+    ({"value_dtype": "fp8"}, "compression.value_dtype"),
+])  # fmt: skip
+def test_bad_settings_name_the_key(settings: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        CompressionConfig(kind="topk", **settings)  # type: ignore[arg-type]
