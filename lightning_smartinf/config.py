@@ -154,10 +154,26 @@ class ScheduleConfig:
     """Order in which blocks and micro-batches run."""
 
     kind: str = "horizontal"
-    """``horizontal``: each micro-batch runs through the whole model (works with any module)."""
+    """``horizontal``: each micro-batch runs through the whole model (works with any module). ``vertical``: all
+    micro-batches through one block before the next (GreedySnake; the module implements vertical_pre/loss)."""
+    micro_batches: int = 1
+    """``vertical``: micro-batches the DataLoader batch is split into (the batch size must divide by it)."""
+    checkpoint_host: float = 0.0
+    """``vertical``: fraction of each boundary's micro-batch checkpoints kept in host memory."""
+    checkpoint_nvme: float = 0.0
+    """``vertical``: fraction kept on storage (under offload.nvme_path); the rest stays on the device."""
+    overlap: float = 0.0
+    """Share of the optimizer step (by elements, in forward order) that may still run while the next forward
+    pass starts; each block waits for its own update before it runs. 0: the step completes before fit goes on."""
 
     def __post_init__(self) -> None:
-        _check_choice("schedule.kind", self.kind, ("horizontal",))
+        _check_choice("schedule.kind", self.kind, ("horizontal", "vertical"))
+        _check_positive("schedule.micro_batches", self.micro_batches)
+        for key in ("checkpoint_host", "checkpoint_nvme", "overlap"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ValueError(f"schedule.{key}={getattr(self, key)} must be a fraction in [0, 1]")
+        if self.checkpoint_host + self.checkpoint_nvme > 1.0:
+            raise ValueError("schedule.checkpoint_host + schedule.checkpoint_nvme must not exceed 1")
 
 
 T = TypeVar("T")

@@ -35,6 +35,8 @@ class SmartInfinityPrecision(Precision):
         self.device_type = device_type
         self.engine: OffloadEngine | None = None
         self.last_step_applied = True
+        self.backward_done = False
+        """Set by a schedule that ran its own backward inside training_step (vertical)."""
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -55,6 +57,9 @@ class SmartInfinityPrecision(Precision):
         self, tensor: Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any
     ) -> None:
         assert self.engine is not None, "the smart_infinity engine is built in Strategy.setup"
+        if self.backward_done:
+            self.backward_done = False
+            return
         self.engine.backward(tensor)
 
     @override

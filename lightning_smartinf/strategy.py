@@ -34,6 +34,7 @@ from lightning_smartinf.engine.engine import OffloadEngine
 from lightning_smartinf.engine.snapshot import load_engine_state, save_engine_state
 from lightning_smartinf.monitor import SmartInfinityMonitor
 from lightning_smartinf.precision import SmartInfinityPrecision
+from lightning_smartinf.schedule.vertical import CheckpointTiers, VerticalSchedule, check_protocol
 
 log = logging.getLogger(__name__)
 TRAINER_STATE = "trainer_state.pt"
@@ -65,6 +66,7 @@ class SmartInfinityStrategy(Strategy):
         self.global_rank = self.local_rank = self.node_rank = 0
         self.world_size = 1
         self._resume_from: Path | None = None
+        self.vertical: VerticalSchedule | None = None
 
     # -- devices -----------------------------------------------------------------------------------------------------
     @property
@@ -120,6 +122,7 @@ class SmartInfinityStrategy(Strategy):
             self.engine = OffloadEngine(
                 self.model, optimizer, self.offload, self.update, self.root_device, precision.param_dtype,
                 loss_scaling=precision.precision == "16-mixed", compression=self.compression,
+                overlap=self.schedule.overlap,
             )  # fmt: skip
             log.info(
                 "smart_infinity: %d params in %d blocks, %d subgroups; storage %s; update %s; host buffers %.1f MiB",
@@ -128,9 +131,37 @@ class SmartInfinityStrategy(Strategy):
                 self.engine.host_memory_bytes / 2**20,
             )  # fmt: skip
         precision.engine = self.engine
+        self.vertical = self._vertical_schedule(trainer) if self.schedule.kind == "vertical" else None
         callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
         if not any(isinstance(cb, SmartInfinityMonitor) for cb in callbacks):
             callbacks.append(SmartInfinityMonitor())
+
+    def _vertical_schedule(self, trainer: pl.Trainer) -> VerticalSchedule:
+        assert self.engine is not None
+        check_protocol(self.lightning_module)
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                "schedule=vertical accumulates over schedule.micro_batches inside each batch: leave "
+                f"accumulate_grad_batches at 1 (got {trainer.accumulate_grad_batches})"
+            )
+        s = self.schedule
+        tiers = CheckpointTiers(s.micro_batches, s.checkpoint_host, s.checkpoint_nvme, self.engine.disk,
+                                self.engine.counters, self.root_device)  # fmt: skip
+        return VerticalSchedule(self.engine, s.micro_batches, tiers)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.vertical is None:
+            return super().training_step(*args, **kwargs)
+        assert self.engine is not None and self.lightning_module is not None
+        precision = self.precision_plugin
+        assert isinstance(precision, SmartInfinityPrecision)
+        with precision.train_step_context():
+            loss = self.vertical.run(self.lightning_module, args[0])  # type: ignore[arg-type]
+        precision.backward_done = True  # Lightning's backward call that follows has nothing left to do
+        self.engine.micro_batches += 1
+        self.lightning_module.log("train_loss", loss, prog_bar=True)
+        return loss
 
     @override
     def teardown(self) -> None:

@@ -9,6 +9,7 @@ and publishes new 16-bit params to the param store.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +74,7 @@ class OffloadEngine:
         param_dtype: torch.dtype,
         loss_scaling: bool = False,
         compression: CompressionConfig | None = None,
+        overlap: float = 0.0,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -87,6 +89,10 @@ class OffloadEngine:
         self.step_count = 0
         self.micro_batches = 0
         self.compression = compression or CompressionConfig()
+        self.overlap = overlap
+        self._step_thread: threading.Thread | None = None
+        self._progress = threading.Condition()
+        self._done_elements = 0
 
         block_list = find_blocks(model)
         self.block_modules = [m for _, m in block_list]
@@ -104,6 +110,7 @@ class OffloadEngine:
         )  # fmt: skip
         log.info("smart_infinity storage backend: %s", self.backend.name)
         disk = FileStore(root, self.backend, self.counters, HOST_LINK)
+        self.disk = disk
         pin = device.type == "cuda"
         param_store: TensorStore = disk if offload.params == "nvme" else HostStore(pin=pin)
         self.params = ParamStreamer(self.layout, param_store, param_dtype, device, offload.prefetch)
@@ -147,7 +154,7 @@ class OffloadEngine:
         if self.updater is not None:
             self.updater.initialize(self.layout.subgroups, self._initial_master)
         self.params.initialize()
-        wrap_blocks(self, self.block_modules)
+        self.block_forwards = wrap_blocks(self, self.block_modules)
 
     def _initial_master(self, sg: Subgroup) -> torch.Tensor:
         block = self.layout.blocks[sg.block]
@@ -196,17 +203,22 @@ class OffloadEngine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate one micro-batch and move the resident block's gradients into the gradient store."""
         self.scale_loss(loss).backward()
+        self.collect_resident_grads()
+        self.micro_batches += 1
+
+    def collect_resident_grads(self) -> None:
+        """Move the resident block's gradients (accumulated by autograd on the params) into the gradient store."""
         resident = self.layout.resident
         if resident.numel:
             flat = torch.zeros(resident.numel, dtype=torch.float32)
             self._gather_grads(resident.slots, flat)
             self.grads.add_block(resident, flat)
-        self.micro_batches += 1
 
     def step(self) -> StepResult:
         """Apply one optimizer step to every subgroup (or skip it on fp16 overflow), then reset the gradients."""
         if self.updater is None or self.optimizer is None:
             raise RuntimeError("this engine was built without an optimizer")
+        self.wait_step()
         self.params.release_all()
         scale = self.scaler.scale if self.scaler is not None else 1.0
         # GradScaler's fp32 reciprocal, then clip_grad_norm_'s fp32 coefficient on the unscaled norm
@@ -224,16 +236,68 @@ class OffloadEngine:
             clip_coef = float(torch.clamp(self.clip_norm / (norm + 1e-6), max=1.0))
         self.step_count += 1
         ctx = StepContext(self.step_count, hyperparameters(self.optimizer), inv_scale, clip_coef)
+        self.micro_batches = 0
+        if self.overlap == 0.0:
+            self._apply(ctx)
+        else:
+            self._start_overlapped(ctx)
+        return StepResult(True, float(norm), scale)
+
+    def _apply(self, ctx: StepContext) -> None:
+        """Stream every subgroup through the updater in forward order, publishing each block when it is done."""
+        assert self.updater is not None
+        left = {b.index: len(b.subgroups) for b in self.layout.blocks}
         for sg, master in self.updater.step(self.layout.subgroups, self.grads, ctx):
             self.params.store_update(sg, master)
-        self.params.flush()
+            left[sg.block] -= 1
+            if not left[sg.block]:
+                self.params.flush()
+                self.params.ready[sg.block].set()
+            with self._progress:
+                self._done_elements += sg.numel
+                self._progress.notify_all()
         self.grads.reset()
-        self.micro_batches = 0
-        return StepResult(True, float(norm), scale)
+
+    def _start_overlapped(self, ctx: StepContext) -> None:
+        """Run the step on a thread; return once the resident block and (1 - overlap) of the elements are done."""
+        self._done_elements = 0
+        for block in self.layout.blocks:  # cleared here, before the caller can start the next forward
+            if block.subgroups:
+                self.params.ready[block.index].clear()
+
+        def run() -> None:
+            try:
+                self._apply(ctx)
+            except BaseException as err:  # noqa: BLE001 - re-raised on the trainer's thread
+                self.params.failure = err
+                for event in self.params.ready:
+                    event.set()
+                with self._progress:
+                    self._progress.notify_all()
+
+        self._step_thread = threading.Thread(target=run, name="smartinf-step", daemon=True)
+        self._step_thread.start()
+        must_finish = (1.0 - self.overlap) * self.layout.num_params
+        with self._progress:
+            self._progress.wait_for(lambda: self._done_elements >= must_finish or self.params.failure is not None)
+        self.params.ready[0].wait()  # the resident layers run first and outside the block hooks
+        self._raise_failure()
+
+    def wait_step(self) -> None:
+        """Block until an overlapped step has finished (before checkpoints, reads of the masters, shutdown)."""
+        if self._step_thread is not None:
+            self._step_thread.join()
+            self._step_thread = None
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        if self.params.failure is not None:
+            raise RuntimeError("the optimizer step failed") from self.params.failure
 
     def republish_params(self) -> None:
         """Rewrite every 16-bit parameter from its fp32 master (after the masters were restored)."""
         assert self.updater is not None
+        self.wait_step()
         self.params.release_all()
         for sg in self.layout.subgroups:
             self.params.store_update(sg, self.updater.read_master(sg))
@@ -244,6 +308,7 @@ class OffloadEngine:
         """Every parameter's fp32 master value, by parameter name (reads the whole state: for tests and export)."""
         if self.updater is None:
             raise RuntimeError("no master weights: this engine was built without an optimizer")
+        self.wait_step()
         out: dict[str, torch.Tensor] = {}
         for block in self.layout.blocks:
             flat = torch.zeros(block.numel, dtype=torch.float32)
@@ -254,6 +319,7 @@ class OffloadEngine:
         return out
 
     def close(self) -> None:
+        self.wait_step()
         self.params.release_all()
         unwrap_blocks(self.block_modules)
         if self.updater is not None:

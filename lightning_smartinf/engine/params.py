@@ -8,6 +8,7 @@ at most ``prefetch + 2`` blocks occupy memory. The resident block lives on the d
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 
 import torch
@@ -36,6 +37,11 @@ class ParamStreamer:
         self._pending_writes: list[Future[None]] = []
         self.resident_flat = torch.zeros(layout.resident.numel, dtype=dtype, device=device)
         self._empty = torch.empty(0, dtype=dtype, device=device)
+        self.ready = [threading.Event() for _ in layout.blocks]
+        """Set while a block's stored parameters are current; cleared while an overlapped step updates them."""
+        for event in self.ready:
+            event.set()
+        self.failure: BaseException | None = None
 
     @property
     def host_bytes(self) -> int:
@@ -68,6 +74,8 @@ class ParamStreamer:
     def prefetch(self, index: int) -> None:
         if index in self._loading or index in self._live or not 0 < index < len(self.layout.blocks):
             return
+        if not self.ready[index].is_set():  # its update is still running: read it when it is needed
+            return
         raw = self.pool.try_acquire()
         if raw is not None:
             self._start_read(self.layout.blocks[index], raw)
@@ -81,6 +89,9 @@ class ParamStreamer:
         """Materialise block ``index``'s parameters on the device (blocking until its reads are done)."""
         if index in self._live:
             return
+        self.ready[index].wait()  # an overlapped step may still be updating this block
+        if self.failure is not None:
+            raise RuntimeError("the optimizer step running behind the forward pass failed") from self.failure
         block = self.layout.blocks[index]
         if index not in self._loading:
             self._start_read(block, self.pool.acquire(block.numel * self.itemsize))

@@ -31,6 +31,7 @@ def _state_dirs(engine: OffloadEngine) -> list[Path]:
 
 
 def save_engine_state(engine: OffloadEngine, directory: Path) -> None:
+    engine.wait_step()  # consistent as of a step boundary
     directory.mkdir(parents=True, exist_ok=True)
     kinds = ("master", *(engine.rule.state_kinds if engine.rule else ()))
     for index, state_dir in enumerate(_state_dirs(engine)):

@@ -99,13 +99,20 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, std=0.02)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """(b, t) token ids -> (b, t, vocab) logits; the head is tied to the token embedding."""
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """(b, t) token ids -> (b, t, n_embd) hidden states."""
         pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
+        return self.wte(idx) + self.wpe(pos)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """(b, t, n_embd) -> (b, t, vocab) logits; the head is tied to the token embedding."""
+        return F.linear(self.ln_f(x), self.wte.weight)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
-        return F.linear(self.ln_f(x), self.wte.weight)
+        return self.head(x)
 
 
 class GPTModule(pl.LightningModule):
@@ -134,9 +141,21 @@ class GPTModule(pl.LightningModule):
         """Tokens predicted in a (b, t+1) batch: b * t (read by the progress monitor)."""
         return batch.shape[0] * (batch.shape[1] - 1)
 
-    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
-        logits = self(batch[:, :-1])
+    @staticmethod
+    def _next_token_loss(logits: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        return self._next_token_loss(self(batch[:, :-1]), batch)
+
+    # -- the vertical-schedule protocol (docs/vertical.md) -----------------------------------------------------------
+    def vertical_pre(self, batch: torch.Tensor) -> torch.Tensor:
+        """Resident layers before the blocks: (b, t+1) tokens -> (b, t, n_embd)."""
+        return self.gpt.embed(batch[:, :-1])
+
+    def vertical_loss(self, hidden: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+        """Resident layers after the blocks, and the loss."""
+        return self._next_token_loss(self.gpt.head(hidden), batch)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)

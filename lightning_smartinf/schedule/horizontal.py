@@ -95,8 +95,11 @@ class _StreamedBlock(torch.autograd.Function):
         return (None, None, None, *[x.grad if x.requires_grad else None for x in inputs])
 
 
-def wrap_blocks(runner: BlockRunner, modules: Sequence[nn.Module]) -> None:
-    """Route each block's forward through the streaming function; block ``i`` of ``modules`` is engine block i+1."""
+def wrap_blocks(runner: BlockRunner, modules: Sequence[nn.Module]) -> list[Callable[..., Any]]:
+    """Route each block's forward through the streaming function; block ``i`` of ``modules`` is engine block i+1.
+
+    Returns the original forwards, which schedules that stream blocks themselves (vertical) call directly."""
+    originals = [module.forward for module in modules]
     for i, module in enumerate(modules):
         original = module.forward
 
@@ -109,6 +112,7 @@ def wrap_blocks(runner: BlockRunner, modules: Sequence[nn.Module]) -> None:
             return _StreamedBlock.apply(runner, _index, _fn, *args)
 
         module.forward = forward  # type: ignore[method-assign]
+    return originals
 
 
 def unwrap_blocks(modules: Sequence[nn.Module]) -> None:

@@ -1,0 +1,168 @@
+"""The vertical schedule (GreedySnake): every micro-batch through one block before the next block starts.
+
+Each block's parameters are fetched once in forward and once in backward per iteration, whatever the number of
+micro-batches M, instead of once per micro-batch. Micro-batches visit the blocks in snake order (the direction
+alternates per block, so the micro-batch at the turn is the one whose activation was produced last). Only
+block-boundary activations are kept, one per micro-batch per boundary, on the device, in host memory or on
+storage (``schedule.checkpoint_host`` / ``checkpoint_nvme`` fractions); backward walks the blocks from the last,
+recomputing each block from its checkpoints and accumulating the block's gradients over all M micro-batches
+before they leave it.
+
+The module opts in with two methods (the shipped GPT has them):
+
+    def vertical_pre(self, batch) -> Tensor      # resident layers before the blocks: hidden states (b, t, d)
+    def vertical_loss(self, hidden, batch) -> Tensor  # resident layers after the blocks and the loss (a scalar)
+
+and its blocks are the ones the engine streams (its ``nn.ModuleList``, or ``offload_blocks()``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from lightning_smartinf.storage.aligned import aligned_bytes, typed_view
+from lightning_smartinf.storage.counters import READ, WRITE, TrafficCounters
+from lightning_smartinf.storage.store import TensorStore
+
+CHECKPOINT = "checkpoint"
+DEVICE_HOST_LINK = "device_host"
+
+
+class VerticalModule(Protocol):
+    def vertical_pre(self, batch: Any) -> torch.Tensor: ...
+
+    def vertical_loss(self, hidden: torch.Tensor, batch: Any) -> torch.Tensor: ...
+
+
+class VerticalEngine(Protocol):
+    """What the vertical schedule needs from the engine."""
+
+    device: torch.device
+    counters: TrafficCounters
+    block_forwards: list[Callable[..., Any]]
+
+    def enter_block(self, index: int, backward: bool) -> None: ...
+
+    def exit_block(self, index: int, backward: bool) -> None: ...
+
+    def collect_block_grads(self, index: int) -> None: ...
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor: ...
+
+    def collect_resident_grads(self) -> None: ...
+
+
+def check_protocol(module: object) -> None:
+    missing = [name for name in ("vertical_pre", "vertical_loss") if not callable(getattr(module, name, None))]
+    if missing:
+        raise TypeError(
+            f"schedule=vertical needs the LightningModule to expose its structure: {type(module).__name__} lacks "
+            f"{', '.join(missing)} (see docs/vertical.md for the two methods), or use schedule=horizontal"
+        )
+
+
+def snake(micro_batches: int, block: int) -> range:
+    """Micro-batch order through block ``block``: forward on even blocks, backward on odd ones."""
+    return range(micro_batches) if block % 2 == 0 else range(micro_batches - 1, -1, -1)
+
+
+class CheckpointTiers:
+    """Keeps block-boundary activations on the device, in host memory or on storage, and counts what moves."""
+
+    def __init__(self, micro_batches: int, host_fraction: float, nvme_fraction: float, store: TensorStore,
+                 counters: TrafficCounters, device: torch.device) -> None:  # fmt: skip
+        n_nvme = round(nvme_fraction * micro_batches)
+        n_host = min(round(host_fraction * micro_batches), micro_batches - n_nvme)
+        # the last micro-batches of each boundary go to the slower tiers
+        self.tier = ["device"] * (micro_batches - n_host - n_nvme) + ["host"] * n_host + ["nvme"] * n_nvme
+        self.store, self.counters, self.device = store, counters, device
+        self._saved: dict[tuple[int, int], Any] = {}
+
+    def put(self, boundary: int, micro: int, hidden: torch.Tensor) -> None:
+        tier = self.tier[micro]
+        hidden = hidden.detach()
+        if tier == "device":
+            self._saved[(boundary, micro)] = hidden
+            return
+        nbytes = hidden.numel() * hidden.element_size()
+        if tier == "host":
+            self.counters.add(DEVICE_HOST_LINK, CHECKPOINT, WRITE, nbytes)
+            self._saved[(boundary, micro)] = hidden.to("cpu", copy=True)
+            return
+        raw = aligned_bytes(nbytes)
+        typed_view(raw, hidden.dtype, hidden.numel()).copy_(hidden.reshape(-1))
+        self.store.write(CHECKPOINT, f"b{boundary}m{micro}", raw, nbytes).result()
+        self._saved[(boundary, micro)] = (hidden.shape, hidden.dtype, nbytes)
+
+    def get(self, boundary: int, micro: int, keep: bool = False) -> torch.Tensor:
+        """The checkpoint, moved back to the device; ``keep`` leaves it stored for a later read (backward)."""
+        saved = self._saved[(boundary, micro)] if keep else self._saved.pop((boundary, micro))
+        tier = self.tier[micro]
+        if tier == "device":
+            return saved  # type: ignore[no-any-return]
+        if tier == "host":
+            self.counters.add(DEVICE_HOST_LINK, CHECKPOINT, READ, saved.numel() * saved.element_size())
+            return saved.to(self.device)  # type: ignore[no-any-return]
+        shape, dtype, nbytes = saved
+        raw = aligned_bytes(nbytes)
+        self.store.read(CHECKPOINT, f"b{boundary}m{micro}", raw, nbytes).result()
+        return typed_view(raw, dtype, nbytes // torch.empty((), dtype=dtype).element_size()).view(shape).to(self.device)
+
+    def clear(self) -> None:
+        self._saved.clear()
+
+
+class VerticalSchedule:
+    """Runs one iteration (forward and backward over M micro-batches) block by block; returns the mean loss."""
+
+    def __init__(self, engine: VerticalEngine, micro_batches: int, tiers: CheckpointTiers) -> None:
+        self.engine, self.micro_batches, self.tiers = engine, micro_batches, tiers
+
+    def split(self, batch: Any) -> Sequence[Any]:
+        if not isinstance(batch, torch.Tensor):
+            raise TypeError("schedule=vertical splits a tensor batch along dim 0; got " + type(batch).__name__)
+        if batch.shape[0] % self.micro_batches:
+            raise ValueError(
+                f"schedule=vertical: batch of {batch.shape[0]} does not split into schedule.micro_batches="
+                f"{self.micro_batches}; make the DataLoader batch size a multiple of it"
+            )
+        return batch.chunk(self.micro_batches)
+
+    def run(self, module: VerticalModule, batch: Any) -> torch.Tensor:
+        engine, blocks = self.engine, len(self.engine.block_forwards)
+        micros = self.split(batch)
+        embedded = [module.vertical_pre(mb) for mb in micros]  # keeps the resident layers' graphs (boundary 0)
+        for m, hidden in enumerate(embedded):
+            self.tiers.put(0, m, hidden)
+        with torch.no_grad():
+            for b in range(blocks):
+                engine.enter_block(b + 1, backward=False)
+                for m in snake(self.micro_batches, b):
+                    self.tiers.put(b + 1, m, engine.block_forwards[b](self.tiers.get(b, m, keep=True)))
+                engine.exit_block(b + 1, backward=False)
+        # head and loss per micro-batch; their gradients flow back into the blocks' last boundary
+        grads: list[torch.Tensor | None] = [None] * self.micro_batches
+        total = torch.zeros((), device=engine.device)
+        for m in range(self.micro_batches):
+            hidden = self.tiers.get(blocks, m).requires_grad_(True)
+            loss = module.vertical_loss(hidden, micros[m]) / self.micro_batches
+            engine.scale_loss(loss).backward()
+            grads[m], total = hidden.grad, total + loss.detach()
+        for b in reversed(range(blocks)):
+            engine.enter_block(b + 1, backward=True)
+            for m in snake(self.micro_batches, b + 1):  # continue the snake from where forward turned
+                x = self.tiers.get(b, m).requires_grad_(True)
+                with torch.enable_grad():
+                    out = engine.block_forwards[b](x)
+                out.backward(grads[m])
+                grads[m] = x.grad
+            engine.collect_block_grads(b + 1)
+            engine.exit_block(b + 1, backward=True)
+        for m, hidden in enumerate(embedded):
+            hidden.backward(grads[m])
+        engine.collect_resident_grads()
+        self.tiers.clear()
+        return total
