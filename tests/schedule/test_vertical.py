@@ -1,0 +1,108 @@
+"""The vertical schedule against the horizontal one: equal parameters, constant parameter traffic, clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import fit, make_module, token_loader
+
+from lightning_smartinf.strategy import SmartInfinityStrategy
+
+MICRO_BATCH = 2
+
+
+def strategy(path: Path, schedule: dict[str, Any], **update: Any) -> SmartInfinityStrategy:
+    offload = {"nvme_path": str(path), "subgroup_size": 4096, "io_backend": "threads"}
+    if update.get("backend") == "smart":
+        offload["grads"] = "cpu"
+    return SmartInfinityStrategy(offload=offload, update={"host_adam": "torch", **update}, schedule=schedule)
+
+
+def run(path: Path, micro_batches: int, schedule: dict[str, Any], clip: float | None, **update: Any) -> Any:
+    """5 steps with a global batch of micro_batches x 2 sequences, vertical or horizontal (accumulating)."""
+    vertical = schedule.get("kind") == "vertical"
+    trainer = fit(
+        make_module("adamw", lr=1e-3), strategy(path, schedule, **update), max_steps=5, precision="32-true",
+        gradient_clip_val=clip, accumulate_grad_batches=1 if vertical else micro_batches,
+        loader=token_loader(samples=64, batch_size=MICRO_BATCH * micro_batches if vertical else MICRO_BATCH),
+    )  # fmt: skip
+    return trainer
+
+
+def rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    diff = torch.cat([(a[k] - b[k]).reshape(-1) for k in b]).norm()
+    return float(diff / torch.cat([b[k].reshape(-1) for k in b]).norm())
+
+
+def param_reads(trainer: Any) -> int:
+    return trainer.strategy.engine.counters.total(link="host", kind="param", direction="read")
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2, 4])
+@pytest.mark.parametrize("overlap", [0.0, 0.5])
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_vertical_equals_horizontal(tmp_path: Path, micro_batches: int, overlap: float, clip: float | None) -> None:
+    horizontal = run(tmp_path / "h", micro_batches, {}, clip)
+    vertical = run(tmp_path / "v", micro_batches, {"kind": "vertical", "micro_batches": micro_batches,
+                                                   "overlap": overlap}, clip)  # fmt: skip
+    assert rel(vertical.strategy.consolidated_state_dict(), horizontal.strategy.consolidated_state_dict()) < 1e-5
+
+
+def test_vertical_with_smart_update(tmp_path: Path) -> None:
+    horizontal = run(tmp_path / "h", 2, {}, 0.5, backend="smart", devices=2)
+    vertical = run(tmp_path / "v", 2, {"kind": "vertical", "micro_batches": 2, "overlap": 1.0}, 0.5,
+                   backend="smart", devices=2)  # fmt: skip
+    assert rel(vertical.strategy.consolidated_state_dict(), horizontal.strategy.consolidated_state_dict()) < 1e-5
+
+
+def test_parameter_reads_do_not_grow_with_micro_batches(tmp_path: Path) -> None:
+    vertical = {m: param_reads(run(tmp_path / f"v{m}", m, {"kind": "vertical", "micro_batches": m}, None))
+                for m in (1, 2, 4)}  # fmt: skip
+    horizontal = {m: param_reads(run(tmp_path / f"h{m}", m, {}, None)) for m in (1, 2, 4)}
+    assert vertical[1] == vertical[2] == vertical[4] == horizontal[1]
+    assert horizontal[2] == 2 * horizontal[1] and horizontal[4] == 4 * horizontal[1]
+
+
+def test_checkpoint_tiers_are_counted(tmp_path: Path) -> None:
+    schedule = {"kind": "vertical", "micro_batches": 4, "checkpoint_host": 0.25, "checkpoint_nvme": 0.25}
+    trainer = run(tmp_path, 4, schedule, None)
+    counters = trainer.strategy.engine.counters
+    layers, hidden = 2, 2 * 16 * 32 * 4  # micro-batch of 2 x 16 tokens x width 32, fp32
+    # one micro-batch per tier, at every boundary (embedding output and after each block but the last): 5 steps
+    per_tier = 5 * layers * hidden + 5 * hidden
+    assert counters.total(link="device_host", kind="checkpoint", direction="write") == per_tier
+    assert counters.total(link="host", kind="checkpoint", direction="write") == per_tier
+    assert counters.total(link="host", kind="checkpoint", direction="read") >= per_tier
+
+
+def test_module_without_the_protocol_is_a_clear_error(tmp_path: Path) -> None:
+    import lightning.pytorch as pl
+
+    class Plain(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.blocks[0](batch.float()).sum()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    with pytest.raises(TypeError, match="lacks vertical_pre, vertical_loss"):
+        fit(Plain(), strategy(tmp_path, {"kind": "vertical"}), max_steps=1,
+            loader=torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=4))  # fmt: skip
+
+
+def test_batch_must_split_into_micro_batches(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="does not split into schedule.micro_batches=3"):
+        fit(make_module(), strategy(tmp_path, {"kind": "vertical", "micro_batches": 3}), max_steps=1)
+
+
+def test_accumulation_is_the_schedules_job(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="leave accumulate_grad_batches at 1"):
+        fit(make_module(), strategy(tmp_path, {"kind": "vertical", "micro_batches": 2}), max_steps=1,
+            accumulate_grad_batches=2)  # fmt: skip
