@@ -155,7 +155,9 @@ class ScheduleConfig:
 
     kind: str = "horizontal"
     """``horizontal``: each micro-batch runs through the whole model (works with any module). ``vertical``: all
-    micro-batches through one block before the next (GreedySnake; the module implements vertical_pre/loss)."""
+    micro-batches through one block before the next (GreedySnake; the module implements vertical_pre/loss).
+    ``auto``: vertical, with micro_batches, overlap and checkpoint placement chosen by the roofline planner from
+    short measurements at the first batch (schedule/planner.py)."""
     micro_batches: int = 1
     """``vertical``: micro-batches the DataLoader batch is split into (the batch size must divide by it)."""
     checkpoint_host: float = 0.0
@@ -167,7 +169,7 @@ class ScheduleConfig:
     pass starts; each block waits for its own update before it runs. 0: the step completes before fit goes on."""
 
     def __post_init__(self) -> None:
-        _check_choice("schedule.kind", self.kind, ("horizontal", "vertical"))
+        _check_choice("schedule.kind", self.kind, ("horizontal", "vertical", "auto"))
         _check_positive("schedule.micro_batches", self.micro_batches)
         for key in ("checkpoint_host", "checkpoint_nvme", "overlap"):
             if not 0.0 <= getattr(self, key) <= 1.0:

@@ -31,9 +31,11 @@ from lightning_smartinf.config import (
     coerce,
 )
 from lightning_smartinf.engine.engine import OffloadEngine
+from lightning_smartinf.engine.planning import memory_budget, update_rate, workload_of
 from lightning_smartinf.engine.snapshot import load_engine_state, save_engine_state
 from lightning_smartinf.monitor import SmartInfinityMonitor
 from lightning_smartinf.precision import SmartInfinityPrecision
+from lightning_smartinf.schedule.planner import Plan, measure_machine, plan
 from lightning_smartinf.schedule.vertical import CheckpointTiers, VerticalSchedule, check_protocol
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,8 @@ class SmartInfinityStrategy(Strategy):
         self.world_size = 1
         self._resume_from: Path | None = None
         self.vertical: VerticalSchedule | None = None
+        self.plan: Plan | None = None
+        self._trainer: pl.Trainer | None = None
 
     # -- devices -----------------------------------------------------------------------------------------------------
     @property
@@ -111,6 +115,7 @@ class SmartInfinityStrategy(Strategy):
         self.accelerator.setup(trainer)
         precision = SmartInfinityPrecision(str(self.precision_plugin.precision), self.root_device.type)
         self.precision_plugin = precision
+        self._trainer = trainer
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if len(self.optimizers) != 1:
@@ -131,12 +136,14 @@ class SmartInfinityStrategy(Strategy):
                 self.engine.host_memory_bytes / 2**20,
             )  # fmt: skip
         precision.engine = self.engine
-        self.vertical = self._vertical_schedule(trainer) if self.schedule.kind == "vertical" else None
+        self.vertical = self._vertical_schedule(trainer, self.schedule) if self.schedule.kind == "vertical" else None
+        if self.schedule.kind == "auto":
+            check_protocol(self.lightning_module)
         callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
         if not any(isinstance(cb, SmartInfinityMonitor) for cb in callbacks):
             callbacks.append(SmartInfinityMonitor())
 
-    def _vertical_schedule(self, trainer: pl.Trainer) -> VerticalSchedule:
+    def _vertical_schedule(self, trainer: pl.Trainer, s: ScheduleConfig) -> VerticalSchedule:
         assert self.engine is not None
         check_protocol(self.lightning_module)
         if trainer.accumulate_grad_batches != 1:
@@ -144,13 +151,33 @@ class SmartInfinityStrategy(Strategy):
                 "schedule=vertical accumulates over schedule.micro_batches inside each batch: leave "
                 f"accumulate_grad_batches at 1 (got {trainer.accumulate_grad_batches})"
             )
-        s = self.schedule
+        self.engine.overlap = s.overlap
         tiers = CheckpointTiers(s.micro_batches, s.checkpoint_host, s.checkpoint_nvme, self.engine.disk,
                                 self.engine.counters, self.root_device)  # fmt: skip
         return VerticalSchedule(self.engine, s.micro_batches, tiers)
 
+    def _auto_schedule(self, batch: torch.Tensor) -> VerticalSchedule:
+        """Plan the vertical schedule for this batch from short measurements of this machine."""
+        assert self.engine is not None and self.lightning_module is not None
+        with torch.no_grad(), self.precision_plugin.forward_context():
+            hidden = self.lightning_module.vertical_pre(batch[:1])  # type: ignore[operator]
+        boundaries = len(self.engine.layout.streamed) + 1
+        work = workload_of(self.engine, batch, hidden.numel() * hidden.element_size() * boundaries)
+        machine = measure_machine(self.root_device, self.engine.root, self.engine.backend,
+                                  update_rate(self.engine), self.engine.param_dtype,
+                                  memory_budget(self.root_device), memory_budget(torch.device("cpu")))  # fmt: skip
+        chosen = plan(work, machine)
+        log.info(chosen.describe())
+        self.plan = chosen
+        settings = ScheduleConfig("vertical", chosen.micro_batches, chosen.checkpoint_host, chosen.checkpoint_nvme,
+                                  chosen.overlap)  # fmt: skip
+        assert self._trainer is not None
+        return self._vertical_schedule(self._trainer, settings)
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.schedule.kind == "auto" and self.vertical is None:
+            self.vertical = self._auto_schedule(args[0])
         if self.vertical is None:
             return super().training_step(*args, **kwargs)
         assert self.engine is not None and self.lightning_module is not None

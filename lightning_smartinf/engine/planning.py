@@ -1,0 +1,50 @@
+"""What the schedule planner needs to know about an engine's workload and this machine's update speed."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import psutil
+import torch
+
+from lightning_smartinf.schedule.planner import Workload
+from lightning_smartinf.update.optimizers import torch_update
+from lightning_smartinf.update.smart import SmartUpdater
+
+if TYPE_CHECKING:
+    from lightning_smartinf.engine.engine import OffloadEngine
+
+
+def workload_of(engine: OffloadEngine, batch: torch.Tensor, checkpoint_bytes_per_sample: int) -> Workload:
+    """Bytes and tokens of one iteration on ``batch`` (a (b, t+1) token tensor or any (b, ...) tensor)."""
+    params = engine.layout.num_params
+    streamed = sum(b.numel for b in engine.layout.streamed) * engine.itemsize
+    states = len(engine.rule.states) if engine.rule else 0
+    if isinstance(engine.updater, SmartUpdater):  # gradients out, parameters back; state stays in the devices
+        step_read, step_write = 4 * params, 4 * params + engine.itemsize * params
+    else:  # gradient, master and state in; master and state out; 16-bit params out
+        step_read, step_write = (2 + states) * 4 * params, (1 + states) * 4 * params + engine.itemsize * params
+    tokens = batch.shape[0] * max(batch.shape[1] - 1, 1) if batch.dim() > 1 else batch.shape[0]
+    return Workload(params, streamed, step_read, step_write, tokens, batch.shape[0], checkpoint_bytes_per_sample)
+
+
+def update_rate(engine: OffloadEngine, numel: int = 1 << 21) -> float:
+    """Parameters per second of the optimizer math on this host (a short in-memory probe)."""
+    if engine.rule is None or engine.optimizer is None:
+        return float("inf")
+    master, grad = torch.randn(numel), torch.randn(numel)
+    state = {s.kind: torch.zeros(numel) for s in engine.rule.states}
+    hyper = {k: v for k, v in engine.optimizer.param_groups[0].items() if k != "params"}
+    torch_update(engine.rule, master, grad, state, hyper, 1)
+    start = time.perf_counter()
+    torch_update(engine.rule, master, grad, state, hyper, 2)
+    return numel / (time.perf_counter() - start)
+
+
+def memory_budget(device: torch.device, share: float = 0.25) -> int:
+    """Bytes the schedule may use for activation checkpoints on ``device``: a share of what is free now."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * share)
+    return int(psutil.virtual_memory().available * share)

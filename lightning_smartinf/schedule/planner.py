@@ -1,0 +1,137 @@
+"""A roofline planner for the vertical schedule: picks micro-batches, overlap and checkpoint placement.
+
+Iteration time is modelled as the larger of compute and parameter streaming (they overlap through prefetch), plus
+the part of the optimizer step that does not hide behind the next forward pass:
+
+    t(M) = max(compute, param_bytes(M) / disk_read) + max(0, step - overlap_window)
+
+    compute         = 8 x params x tokens / FLOP/s     (forward, backward, and the backward's recompute)
+    param_bytes(M)  = 2 x streamed 16-bit bytes         (vertical: once each way, any M)
+                    = 2 x M x streamed 16-bit bytes     (horizontal)
+    step            = max(step I/O / disk, params / update rate)
+    overlap_window  = overlap x step, at most the next forward (compute / 4)
+
+Checkpoints (M x boundaries x hidden bytes) must fit in the device-memory budget; what does not fit goes to host
+memory, then to storage. GreedySnake solves a small linear program over the same quantities; with one disk and one
+device the choice reduces to this search over the divisors of the batch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from lightning_smartinf.storage.aligned import aligned_bytes
+from lightning_smartinf.storage.counters import TrafficCounters
+from lightning_smartinf.storage.io import IOBackend
+from lightning_smartinf.storage.store import FileStore
+
+
+@dataclass
+class Machine:
+    """Measured speeds and limits (``measure_machine``), or a description of hardware we do not have."""
+
+    flops: float
+    disk_read: float
+    disk_write: float
+    update_params_per_s: float
+    device_memory: int
+    host_memory: int
+
+
+@dataclass
+class Workload:
+    params: int
+    streamed_param_bytes: int
+    step_read_bytes: int
+    step_write_bytes: int
+    tokens_per_batch: int
+    batch_size: int
+    checkpoint_bytes_per_sample: int
+    """Hidden-state bytes of one sequence summed over all block boundaries."""
+
+
+@dataclass
+class Plan:
+    micro_batches: int
+    overlap: float
+    checkpoint_host: float
+    checkpoint_nvme: float
+    predicted_s: float
+    breakdown: dict[str, float]
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {v:.3f}s" for k, v in self.breakdown.items())
+        return (f"schedule=auto: micro_batches={self.micro_batches}, overlap={self.overlap:.2f}, checkpoints "
+                f"host {self.checkpoint_host:.2f} / nvme {self.checkpoint_nvme:.2f}; predicted {self.predicted_s:.3f}"
+                f" s/iteration ({parts})")  # fmt: skip
+
+
+def predict(work: Workload, machine: Machine, vertical: bool, micro_batches: int, overlap: float) -> dict[str, float]:
+    """Predicted seconds per iteration, and its parts."""
+    compute = 8.0 * work.params * work.tokens_per_batch / machine.flops
+    reads = 2 * work.streamed_param_bytes * (1 if vertical else micro_batches)
+    params_io = reads / machine.disk_read
+    step = max(work.step_read_bytes / machine.disk_read + work.step_write_bytes / machine.disk_write,
+               work.params / machine.update_params_per_s)  # fmt: skip
+    hidden = min(overlap * step, compute / 4)
+    total = max(compute, params_io) + step - hidden
+    return {"compute": compute, "params_io": params_io, "step": step, "step_hidden": hidden, "total": total}
+
+
+def checkpoint_placement(work: Workload, machine: Machine, micro_batches: int) -> tuple[float, float] | None:
+    """Fractions of each boundary's micro-batches in host memory and on storage, or None if nothing fits."""
+    per_micro = work.checkpoint_bytes_per_sample * (work.batch_size // micro_batches)
+    on_device = min(micro_batches, machine.device_memory // max(per_micro, 1))
+    rest = micro_batches - on_device
+    on_host = min(rest, machine.host_memory // max(per_micro, 1))
+    on_nvme = rest - on_host
+    return on_host / micro_batches, on_nvme / micro_batches
+
+
+def plan(work: Workload, machine: Machine, max_micro_batches: int = 16) -> Plan:
+    best: Plan | None = None
+    for m in range(1, min(max_micro_batches, work.batch_size) + 1):
+        if work.batch_size % m:
+            continue
+        placement = checkpoint_placement(work, machine, m)
+        if placement is None:
+            continue
+        parts = predict(work, machine, True, m, 1.0)
+        overlap = min(1.0, parts["step_hidden"] / parts["step"]) if parts["step"] else 0.0
+        if best is None or parts["total"] < best.predicted_s * 0.98:  # prefer fewer micro-batches on near-ties
+            best = Plan(m, overlap, placement[0], placement[1], parts["total"], parts)
+    assert best is not None, "a batch always splits into one micro-batch"
+    return best
+
+
+def measure_machine(device: torch.device, directory: Path, backend: IOBackend, update_params_per_s: float,
+                    dtype: torch.dtype, device_memory: int, host_memory: int) -> Machine:  # fmt: skip
+    """Short probes: a matmul for FLOP/s, a 64 MiB write and read through the engine's I/O backend."""
+    n = 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    a @ a  # warm-up
+    start = time.perf_counter()
+    for _ in range(4):
+        a @ a
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    flops = 4 * 2 * n**3 / (time.perf_counter() - start)
+    store = FileStore(directory, backend, TrafficCounters(), "probe")
+    size = 64 * 2**20
+    raw = aligned_bytes(size)
+    start = time.perf_counter()
+    store.write("probe", "bandwidth", raw, size).result()
+    write = size / (time.perf_counter() - start)
+    start = time.perf_counter()
+    store.read("probe", "bandwidth", raw, size).result()
+    read = size / (time.perf_counter() - start)
+    store.path("probe", "bandwidth").unlink(missing_ok=True)
+    return Machine(flops, read, write, update_params_per_s, device_memory, host_memory)
+
+
+def as_dict(plan_: Plan) -> dict[str, object]:
+    return asdict(plan_)

@@ -1,0 +1,51 @@
+"""The roofline planner: its model's shape, its choices, and schedule=auto end to end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import fit, make_module, token_loader
+
+from lightning_smartinf.schedule.planner import Machine, Workload, plan, predict
+from lightning_smartinf.strategy import SmartInfinityStrategy
+
+GB = 1e9
+
+
+def workload(params: float = 350e6, batch: int = 8) -> Workload:
+    p = int(params)
+    return Workload(p, 2 * p, 12 * p, 14 * p, batch * 128, batch, checkpoint_bytes_per_sample=25 * 128 * 1024 * 2)
+
+
+def machine(flops: float = 1e12, disk: float = 1.5 * GB, memory: int = 8 * 2**30) -> Machine:
+    return Machine(flops, disk, disk, 1e9, memory, memory)
+
+
+def test_parameter_streaming_grows_with_micro_batches_only_horizontally() -> None:
+    w, m = workload(), machine()
+    vertical = [predict(w, m, True, k, 0.0)["params_io"] for k in (1, 2, 4, 8)]
+    horizontal = [predict(w, m, False, k, 0.0)["params_io"] for k in (1, 2, 4, 8)]
+    assert len(set(vertical)) == 1
+    assert horizontal == [vertical[0] * k for k in (1, 2, 4, 8)]
+
+
+def test_overlap_hides_at_most_one_forward() -> None:
+    w, m = workload(), machine()
+    parts = predict(w, m, True, 4, 1.0)
+    assert parts["step_hidden"] == min(parts["step"], parts["compute"] / 4)
+
+
+def test_plan_splits_the_batch_and_spills_checkpoints_when_memory_is_short() -> None:
+    w = workload()
+    roomy = plan(w, machine())
+    assert w.batch_size % roomy.micro_batches == 0 and roomy.checkpoint_host == roomy.checkpoint_nvme == 0.0
+    tight = plan(w, machine(memory=w.checkpoint_bytes_per_sample * 2))  # two samples' checkpoints per tier
+    assert tight.checkpoint_host + tight.checkpoint_nvme > 0.0
+
+
+def test_schedule_auto_trains_and_logs_its_plan(tmp_path: Path) -> None:
+    offload = {"nvme_path": str(tmp_path), "subgroup_size": 4096, "io_backend": "threads"}
+    strategy = SmartInfinityStrategy(offload=offload, update={"host_adam": "torch"}, schedule={"kind": "auto"})
+    trainer = fit(make_module(), strategy, max_steps=2, loader=token_loader(batch_size=4))
+    assert trainer.strategy.plan is not None and trainer.strategy.engine.step_count == 2
+    assert 4 % trainer.strategy.plan.micro_batches == 0
