@@ -110,26 +110,32 @@ def plan(work: Workload, machine: Machine, max_micro_batches: int = 16) -> Plan:
 
 def measure_machine(device: torch.device, directory: Path, backend: IOBackend, update_params_per_s: float,
                     dtype: torch.dtype, device_memory: int, host_memory: int) -> Machine:  # fmt: skip
-    """Short probes: a matmul for FLOP/s, a 64 MiB write and read through the engine's I/O backend."""
-    n = 1024
+    """Short probes: the best of a few 2048^3 matmuls for FLOP/s; the best of a few 128 MiB writes and reads,
+    8 requests at a time through the engine's I/O backend, for disk bandwidth."""
+    n = 2048
     a = torch.randn(n, n, device=device, dtype=dtype)
-    a @ a  # warm-up
-    start = time.perf_counter()
+    flops = 0.0
     for _ in range(4):
+        start = time.perf_counter()
         a @ a
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    flops = 4 * 2 * n**3 / (time.perf_counter() - start)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        flops = max(flops, 2 * n**3 / (time.perf_counter() - start))
     store = FileStore(directory, backend, TrafficCounters(), "probe")
-    size = 64 * 2**20
-    raw = aligned_bytes(size)
-    start = time.perf_counter()
-    store.write("probe", "bandwidth", raw, size).result()
-    write = size / (time.perf_counter() - start)
-    start = time.perf_counter()
-    store.read("probe", "bandwidth", raw, size).result()
-    read = size / (time.perf_counter() - start)
-    store.path("probe", "bandwidth").unlink(missing_ok=True)
+    chunk, chunks = 16 * 2**20, 8
+    buffers = [aligned_bytes(chunk) for _ in range(chunks)]
+    read = write = 0.0
+    for _ in range(2):
+        start = time.perf_counter()
+        for f in [store.write("probe", f"bw{i}", b, chunk) for i, b in enumerate(buffers)]:
+            f.result()
+        write = max(write, chunk * chunks / (time.perf_counter() - start))
+        start = time.perf_counter()
+        for f in [store.read("probe", f"bw{i}", b, chunk) for i, b in enumerate(buffers)]:
+            f.result()
+        read = max(read, chunk * chunks / (time.perf_counter() - start))
+    for i in range(chunks):
+        store.path("probe", f"bw{i}").unlink(missing_ok=True)
     return Machine(flops, read, write, update_params_per_s, device_memory, host_memory)
 
 

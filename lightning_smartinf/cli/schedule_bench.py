@@ -1,0 +1,155 @@
+"""``smartinf-schedule-bench``: horizontal vs vertical vs vertical + overlap, same global batch, one run.
+
+For each number of micro-batches M, trains a GPT of the given shape for a few optimizer steps under three
+schedules with the same global batch (M micro-batches of ``--micro-batch`` sequences), state on disk, and reports
+the median seconds per optimizer step, tokens/s, parameter bytes read per step, and the roofline bound
+max(compute, disk bytes / measured disk bandwidth) with how close each run gets. Writes a Markdown table and a
+PNG.
+
+    smartinf-schedule-bench --layers 24 --width 1024 --heads 16 --seq 128 --micro-batches 1 2 4 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import matplotlib
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_smartinf.models.gpt import GPTConfig, GPTModule
+from lightning_smartinf.schedule.planner import measure_machine
+from lightning_smartinf.storage.io import make_backend
+from lightning_smartinf.strategy import SmartInfinityStrategy
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+MODES: dict[str, dict[str, Any]] = {
+    "horizontal": {},
+    "vertical": {"kind": "vertical"},
+    "vertical + overlap": {"kind": "vertical", "overlap": 1.0},
+}
+
+
+class StepTimer(pl.Callback):
+    """Wall time between consecutive optimizer steps."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        engine = trainer.strategy.engine  # type: ignore[attr-defined]
+        if not engine.micro_batches:
+            self.stamps.append(time.perf_counter())
+
+
+def run_mode(cfg: GPTConfig, mode: str, micro_batches: int, args: argparse.Namespace) -> dict[str, float]:
+    torch.manual_seed(0)
+    module = GPTModule(cfg, lr=1e-4)
+    vertical = mode != "horizontal"
+    schedule = {**MODES[mode], "micro_batches": micro_batches} if vertical else {}
+    batch = args.micro_batch * (micro_batches if vertical else 1)
+    steps = args.warmup + args.steps
+    data = torch.randint(0, 256, (batch * steps * (1 if vertical else micro_batches), args.seq + 1))
+    strategy = SmartInfinityStrategy(
+        offload={"nvme_path": args.nvme_path, "subgroup_size": args.subgroup_size}, schedule=schedule
+    )
+    timer = StepTimer()
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator=args.accelerator, devices=1, precision=args.precision, max_steps=steps,
+        accumulate_grad_batches=1 if vertical else micro_batches, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[timer],
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(data, batch_size=batch))  # type: ignore[arg-type]
+    engine = strategy.engine
+    assert engine is not None
+    deltas = [b - a for a, b in zip(timer.stamps[args.warmup - 1 : -1], timer.stamps[args.warmup :], strict=True)]
+    seconds = statistics.median(deltas)
+    host = engine.counters
+    result = {
+        "seconds_per_step": seconds,
+        "tokens_per_s": args.micro_batch * micro_batches * args.seq / seconds,
+        "param_read_bytes_per_step": host.total(link="host", kind="param", direction="read") / steps,
+        "disk_bytes_per_step": host.total(link="host") / steps,
+        "params": engine.layout.num_params,
+    }
+    strategy.close()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=50304)
+    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--subgroup-size", type=int, default=1 << 24)
+    parser.add_argument("--nvme-path", default="smartinf_state_bench")
+    parser.add_argument("--out", default="schedule_bench")
+    args = parser.parse_args()
+    cfg = GPTConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.width, vocab_size=args.vocab,
+                    block_size=args.seq)  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    Path(args.nvme_path).mkdir(parents=True, exist_ok=True)
+    dtype = torch.bfloat16 if args.precision.startswith("bf16") else torch.float32
+    backend = make_backend("auto", Path(args.nvme_path), 4, 1, 1 << 20, 32)
+    machine = measure_machine(torch.device("cpu"), Path(args.nvme_path), backend, float("inf"), dtype, 0, 0)
+    backend.close()
+    results: dict[str, dict[int, dict[str, float]]] = {mode: {} for mode in MODES}
+    for m in args.micro_batches:
+        for mode in MODES:
+            results[mode][m] = run_mode(cfg, mode, m, args)
+            print(f"M={m} {mode}: {results[mode][m]['seconds_per_step']:.2f} s/step", flush=True)
+    params = next(iter(results["vertical"].values()))["params"]
+    lines = [
+        f"GPT {args.layers}x{args.width} ({params / 1e6:.0f}M parameters), {args.precision}, micro-batch "
+        f"{args.micro_batch}x{args.seq} tokens; measured disk {machine.disk_read / 1e9:.2f} GB/s read, "
+        f"{machine.disk_write / 1e9:.2f} GB/s write; matmul {machine.flops / 1e12:.2f} TFLOP/s",
+        "",
+        "| M | schedule | s/step | tokens/s | vs horizontal | param GB read/step | disk GB/step | roofline s | "
+        "of roofline |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for m in args.micro_batches:
+        base = results["horizontal"][m]["tokens_per_s"]
+        for mode in MODES:
+            r = results[mode][m]
+            compute = 8 * params * args.micro_batch * m * args.seq / machine.flops
+            roofline = max(compute, r["disk_bytes_per_step"] / machine.disk_read)
+            lines.append(
+                f"| {m} | {mode} | {r['seconds_per_step']:.2f} | {r['tokens_per_s']:.0f} | "
+                f"{r['tokens_per_s'] / base:.2f}x | {r['param_read_bytes_per_step'] / 1e9:.2f} | "
+                f"{r['disk_bytes_per_step'] / 1e9:.2f} | {roofline:.2f} | {roofline / r['seconds_per_step']:.0%} |"
+            )
+    table = "\n".join(lines)
+    print(table)
+    (out / "schedule_bench.md").write_text(table + "\n")
+    (out / "schedule_bench.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode in MODES:
+        ax.plot(args.micro_batches, [results[mode][m]["tokens_per_s"] for m in args.micro_batches], "o-", label=mode)
+    ax.set(xlabel="micro-batches per step (M)", ylabel="tokens/s", title=f"GPT {params / 1e6:.0f}M, state on disk")
+    ax.set_xscale("log", base=2)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "schedule_bench.png", dpi=100)
+    print(f"wrote {out / 'schedule_bench.md'} and {out / 'schedule_bench.png'}")
+
+
+if __name__ == "__main__":
+    main()
