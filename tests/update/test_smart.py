@@ -9,9 +9,8 @@ import pytest
 import torch
 from conftest import fit, make_module, relative_error, token_loader
 
-from lightning_smartinf.config import OffloadConfig, UpdateConfig
-from lightning_smartinf.engine.engine import OffloadEngine
-from lightning_smartinf.models.gpt import GPT, GPTConfig
+from lightning_smartinf.cli.traffic import Scenario, iteration_traffic
+from lightning_smartinf.models.gpt import GPTConfig
 
 CLIP = {"precision": "32-true", "gradient_clip_val": 0.5}
 
@@ -48,28 +47,9 @@ def test_smart_with_accumulation_and_both_gradient_homes(smart, grads: str) -> N
 
 
 def _one_step_traffic(tmp_path: Path, update: dict, grads: str, dtype: torch.dtype) -> tuple[dict, int]:
-    """Bytes per link/direction/kind of the second iteration (backward and step) of a small GPT, and its
-    parameter count. The second, because the first step starts optimizer state in memory instead of reading it."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=16))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    engine = OffloadEngine(model, optimizer, OffloadConfig(nvme_path=str(tmp_path), grads=grads,
-                           subgroup_size=8192, io_backend="threads"), UpdateConfig(**update),
-                           torch.device("cpu"), dtype)  # fmt: skip
-    batch = next(iter(token_loader()))
-    for _ in range(2):
-        before = engine.counters.table()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype != torch.float32):
-            logits = model(batch[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 256), batch[:, 1:].reshape(-1))
-        engine.backward(loss)
-        engine.step()
-    after = engine.counters.table()
-    engine.close()
-    delta = {
-        f"{ld}/{kind}": n - before.get(ld, {}).get(kind, 0) for ld, kinds in after.items() for kind, n in kinds.items()
-    }
-    return {k: v for k, v in delta.items() if v}, engine.layout.num_params
+    """Bytes per link/direction/kind of the second iteration (smartinf-traffic's measurement), and the params."""
+    scenario = Scenario("test", update, grads, dtype)
+    return iteration_traffic(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=64), scenario, tmp_path)
 
 
 def _host_update_bytes(delta: dict, params: int) -> float:
@@ -79,7 +59,7 @@ def _host_update_bytes(delta: dict, params: int) -> float:
 
 
 def test_traffic_per_parameter_matches_the_paper(tmp_path: Path) -> None:
-    host, n = _one_step_traffic(tmp_path / "h", {"backend": "host", "host_adam": "torch"}, "nvme", torch.float32)
+    host, n = _one_step_traffic(tmp_path / "h", {"backend": "host"}, "nvme", torch.float32)
     # gradient written in backward and read by the step (4 + 4 B), master, m, v read and written (12 + 12 B)
     assert _host_update_bytes(host, n) == 32.0
     smart_fp32, n = _one_step_traffic(tmp_path / "s", {"backend": "smart", "devices": 2}, "cpu", torch.float32)
