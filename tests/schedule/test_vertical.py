@@ -106,3 +106,17 @@ def test_accumulation_is_the_schedules_job(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="leave accumulate_grad_batches at 1"):
         fit(make_module(), strategy(tmp_path, {"kind": "vertical", "micro_batches": 2}), max_steps=1,
             accumulate_grad_batches=2)  # fmt: skip
+
+
+def test_all_four_components_combine_in_mixed_precision(tmp_path: Path) -> None:
+    """Storage offload + SmartUpdate + SmartComp + vertical schedule with overlap, bf16-mixed: it trains."""
+    strategy = SmartInfinityStrategy(
+        offload={"nvme_path": str(tmp_path), "subgroup_size": 4096, "io_backend": "threads", "grads": "cpu"},
+        update={"backend": "smart", "devices": 2},
+        compression={"kind": "topk", "keep": 0.05},
+        schedule={"kind": "vertical", "micro_batches": 2, "overlap": 1.0},
+    )
+    trainer = fit(make_module(), strategy, max_steps=5, precision="bf16-mixed", loader=token_loader(batch_size=4))
+    engine = trainer.strategy.engine
+    assert engine.step_count == 5 and engine.counters.total(link="host", kind="grad_index") > 0
+    assert torch.isfinite(trainer.logged_metrics["train_loss"])
