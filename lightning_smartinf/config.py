@@ -167,6 +167,9 @@ class ScheduleConfig:
     overlap: float = 0.0
     """Share of the optimizer step (by elements, in forward order) that may still run while the next forward
     pass starts; each block waits for its own update before it runs. 0: the step completes before fit goes on."""
+    eager_update: bool = False
+    """``vertical``: start each block's update as soon as its gradient is final, during backward. Needs no
+    gradient clipping and no fp16 loss scaling (both need the global gradient norm before any update)."""
 
     def __post_init__(self) -> None:
         _check_choice("schedule.kind", self.kind, ("horizontal", "vertical", "auto"))

@@ -152,9 +152,14 @@ class SmartInfinityStrategy(Strategy):
                 f"accumulate_grad_batches at 1 (got {trainer.accumulate_grad_batches})"
             )
         self.engine.overlap = s.overlap
+        if s.eager_update and (trainer.gradient_clip_val or self.engine.scaler is not None):
+            raise ValueError(
+                "schedule.eager_update starts block updates before backward ends, so it cannot honour "
+                "gradient_clip_val or fp16 loss scaling (both need the global gradient norm first): turn one off"
+            )
         tiers = CheckpointTiers(s.micro_batches, s.checkpoint_host, s.checkpoint_nvme, self.engine.disk,
                                 self.engine.counters, self.root_device)  # fmt: skip
-        return VerticalSchedule(self.engine, s.micro_batches, tiers)
+        return VerticalSchedule(self.engine, s.micro_batches, tiers, s.eager_update)
 
     def _auto_schedule(self, batch: torch.Tensor) -> VerticalSchedule:
         """Plan the vertical schedule for this batch from short measurements of this machine."""
@@ -170,7 +175,7 @@ class SmartInfinityStrategy(Strategy):
         log.info(chosen.describe())
         self.plan = chosen
         settings = ScheduleConfig("vertical", chosen.micro_batches, chosen.checkpoint_host, chosen.checkpoint_nvme,
-                                  chosen.overlap)  # fmt: skip
+                                  chosen.overlap, self.schedule.eager_update)  # fmt: skip
         assert self._trainer is not None
         return self._vertical_schedule(self._trainer, settings)
 

@@ -35,6 +35,7 @@ MODES: dict[str, dict[str, Any]] = {
     "horizontal": {},
     "vertical": {"kind": "vertical"},
     "vertical + overlap": {"kind": "vertical", "overlap": 1.0},
+    "vertical + overlap + eager": {"kind": "vertical", "overlap": 1.0, "eager_update": True},
 }
 
 

@@ -9,7 +9,9 @@ and publishes new 16-bit params to the param store.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,6 +95,8 @@ class OffloadEngine:
         self._step_thread: threading.Thread | None = None
         self._progress = threading.Condition()
         self._done_elements = 0
+        self._eager: queue.Queue[Subgroup | None] | None = None
+        self._eager_norm = 0.0
 
         block_list = find_blocks(model)
         self.block_modules = [m for _, m in block_list]
@@ -187,6 +191,7 @@ class OffloadEngine:
         flat = typed_view(self._grad_flat, torch.float32, block.numel)
         self._gather_grads(block.slots, flat)
         self.grads.add_block(block, flat)
+        self._stream_block(index)
 
     @staticmethod
     def _gather_grads(slots: list[ParamSlot], flat: torch.Tensor) -> None:
@@ -213,11 +218,41 @@ class OffloadEngine:
             flat = torch.zeros(resident.numel, dtype=torch.float32)
             self._gather_grads(resident.slots, flat)
             self.grads.add_block(resident, flat)
+        if self._eager is not None:
+            self._eager_norm = float(self.grads.global_norm())
+        self._stream_block(0)
+
+    # -- eager updates: each block's update starts when its gradient is final (vertical schedule) -----------------
+    def begin_eager_step(self) -> None:
+        """Open this iteration's update stream; blocks join it from ``collect_block_grads`` as backward finishes
+        them, the resident block last. Exact only without clipping and loss scaling (checked by the strategy)."""
+        assert self.updater is not None and self.optimizer is not None and self.scaler is None
+        self.wait_step()
+        self.step_count += 1
+        ctx = StepContext(self.step_count, hyperparameters(self.optimizer))
+        self._eager = queue.Queue()
+        self._run_step_thread(ctx, iter(self._eager.get, None))
+
+    def _stream_block(self, index: int) -> None:
+        if self._eager is None:
+            return
+        block = self.layout.blocks[index]
+        if block.subgroups:
+            self.params.ready[index].clear()  # its parameters go stale until its update lands
+        for sg in block.subgroups:
+            self._eager.put(sg)
+        if block.resident:  # backward is over: the stream is complete
+            self._eager.put(None)
 
     def step(self) -> StepResult:
         """Apply one optimizer step to every subgroup (or skip it on fp16 overflow), then reset the gradients."""
         if self.updater is None or self.optimizer is None:
             raise RuntimeError("this engine was built without an optimizer")
+        if self._eager is not None:  # the update has been running since backward began
+            self._eager = None
+            self.micro_batches = 0
+            self._wait_overlapped()
+            return StepResult(True, self._eager_norm, 1.0)
         self.wait_step()
         self.params.release_all()
         scale = self.scaler.scale if self.scaler is not None else 1.0
@@ -243,11 +278,12 @@ class OffloadEngine:
             self._start_overlapped(ctx)
         return StepResult(True, float(norm), scale)
 
-    def _apply(self, ctx: StepContext) -> None:
-        """Stream every subgroup through the updater in forward order, publishing each block when it is done."""
+    def _apply(self, ctx: StepContext, subgroups: Iterable[Subgroup] | None = None) -> None:
+        """Stream subgroups (default: all, in forward order) through the updater, publishing each block when done."""
         assert self.updater is not None
         left = {b.index: len(b.subgroups) for b in self.layout.blocks}
-        for sg, master in self.updater.step(self.layout.subgroups, self.grads, ctx):
+        order = self.layout.subgroups if subgroups is None else subgroups
+        for sg, master in self.updater.step(order, self.grads, ctx):  # type: ignore[arg-type]
             self.params.store_update(sg, master)
             left[sg.block] -= 1
             if not left[sg.block]:
@@ -260,14 +296,18 @@ class OffloadEngine:
 
     def _start_overlapped(self, ctx: StepContext) -> None:
         """Run the step on a thread; return once the resident block and (1 - overlap) of the elements are done."""
-        self._done_elements = 0
         for block in self.layout.blocks:  # cleared here, before the caller can start the next forward
             if block.subgroups:
                 self.params.ready[block.index].clear()
+        self._run_step_thread(ctx, None)
+        self._wait_overlapped()
+
+    def _run_step_thread(self, ctx: StepContext, subgroups: Iterable[Subgroup] | None) -> None:
+        self._done_elements = 0
 
         def run() -> None:
             try:
-                self._apply(ctx)
+                self._apply(ctx, subgroups)
             except BaseException as err:  # noqa: BLE001 - re-raised on the trainer's thread
                 self.params.failure = err
                 for event in self.params.ready:
@@ -277,6 +317,8 @@ class OffloadEngine:
 
         self._step_thread = threading.Thread(target=run, name="smartinf-step", daemon=True)
         self._step_thread.start()
+
+    def _wait_overlapped(self) -> None:
         must_finish = (1.0 - self.overlap) * self.layout.num_params
         with self._progress:
             self._progress.wait_for(lambda: self._done_elements >= must_finish or self.params.failure is not None)

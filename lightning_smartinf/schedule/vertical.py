@@ -52,6 +52,8 @@ class VerticalEngine(Protocol):
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor: ...
 
+    def begin_eager_step(self) -> None: ...
+
     def collect_resident_grads(self) -> None: ...
 
 
@@ -118,8 +120,8 @@ class CheckpointTiers:
 class VerticalSchedule:
     """Runs one iteration (forward and backward over M micro-batches) block by block; returns the mean loss."""
 
-    def __init__(self, engine: VerticalEngine, micro_batches: int, tiers: CheckpointTiers) -> None:
-        self.engine, self.micro_batches, self.tiers = engine, micro_batches, tiers
+    def __init__(self, engine: VerticalEngine, micro_batches: int, tiers: CheckpointTiers, eager: bool = False) -> None:
+        self.engine, self.micro_batches, self.tiers, self.eager = engine, micro_batches, tiers, eager
 
     def split(self, batch: Any) -> Sequence[Any]:
         if not isinstance(batch, torch.Tensor):
@@ -151,6 +153,8 @@ class VerticalSchedule:
             loss = module.vertical_loss(hidden, micros[m]) / self.micro_batches
             engine.scale_loss(loss).backward()
             grads[m], total = hidden.grad, total + loss.detach()
+        if self.eager:  # each block's update starts when its backward below has finished
+            engine.begin_eager_step()
         for b in reversed(range(blocks)):
             engine.enter_block(b + 1, backward=True)
             for m in snake(self.micro_batches, b + 1):  # continue the snake from where forward turned

@@ -317,6 +317,7 @@ class SmartUpdater:
         grads.sync()
         for sg in subgroups:
             if self.grads_on_device:
+                grads.sync()  # its gradient file is complete (subgroups may arrive while backward still runs)
                 job = _Job(sg, None, grads.holds(sg), ctx, None, scalars[sg.param_group])
             else:
                 grad = grads.fetch(sg).result()

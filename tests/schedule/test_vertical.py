@@ -120,3 +120,18 @@ def test_all_four_components_combine_in_mixed_precision(tmp_path: Path) -> None:
     engine = trainer.strategy.engine
     assert engine.step_count == 5 and engine.counters.total(link="host", kind="grad_index") > 0
     assert torch.isfinite(trainer.logged_metrics["train_loss"])
+
+
+@pytest.mark.parametrize(("overlap", "update"), [
+    (0.0, {}), (1.0, {}), (0.5, {"backend": "smart", "devices": 2}),
+])  # fmt: skip
+def test_eager_updates_during_backward_equal_horizontal(tmp_path: Path, overlap: float, update: dict) -> None:
+    horizontal = run(tmp_path / "h", 4, {}, None, **update)
+    schedule = {"kind": "vertical", "micro_batches": 4, "overlap": overlap, "eager_update": True}
+    vertical = run(tmp_path / "v", 4, schedule, None, **update)
+    assert rel(vertical.strategy.consolidated_state_dict(), horizontal.strategy.consolidated_state_dict()) < 1e-5
+
+
+def test_eager_updates_refuse_clipping(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="cannot honour gradient_clip_val"):
+        run(tmp_path, 2, {"kind": "vertical", "micro_batches": 2, "eager_update": True}, 0.5)
