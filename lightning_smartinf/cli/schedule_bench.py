@@ -102,6 +102,7 @@ def main() -> None:
     parser.add_argument("--subgroup-size", type=int, default=1 << 24)
     parser.add_argument("--nvme-path", default="smartinf_state_bench")
     parser.add_argument("--out", default="schedule_bench")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES), help="horizontal is the base")
     args = parser.parse_args()
     cfg = GPTConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.width, vocab_size=args.vocab,
                     block_size=args.seq)  # fmt: skip
@@ -112,9 +113,10 @@ def main() -> None:
     backend = make_backend("auto", Path(args.nvme_path), 4, 1, 1 << 20, 32)
     machine = measure_machine(torch.device("cpu"), Path(args.nvme_path), backend, float("inf"), dtype, 0, 0)
     backend.close()
-    results: dict[str, dict[int, dict[str, float]]] = {mode: {} for mode in MODES}
+    modes = ["horizontal", *(mode for mode in args.modes if mode != "horizontal")]
+    results: dict[str, dict[int, dict[str, float]]] = {mode: {} for mode in modes}
     for m in args.micro_batches:
-        for mode in MODES:
+        for mode in modes:
             results[mode][m] = run_mode(cfg, mode, m, args)
             print(f"M={m} {mode}: {results[mode][m]['seconds_per_step']:.2f} s/step", flush=True)
     params = next(iter(results["vertical"].values()))["params"]
@@ -129,7 +131,7 @@ def main() -> None:
     ]
     for m in args.micro_batches:
         base = results["horizontal"][m]["tokens_per_s"]
-        for mode in MODES:
+        for mode in modes:
             r = results[mode][m]
             compute = 8 * params * args.micro_batch * m * args.seq / machine.flops
             roofline = max(compute, r["disk_bytes_per_step"] / machine.disk_read)
@@ -143,7 +145,7 @@ def main() -> None:
     (out / "schedule_bench.md").write_text(table + "\n")
     (out / "schedule_bench.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
     fig, ax = plt.subplots(figsize=(7, 4))
-    for mode in MODES:
+    for mode in modes:
         ax.plot(args.micro_batches, [results[mode][m]["tokens_per_s"] for m in args.micro_batches], "o-", label=mode)
     ax.set(xlabel="micro-batches per step (M)", ylabel="tokens/s", title=f"GPT {params / 1e6:.0f}M, state on disk")
     ax.set_xscale("log", base=2)
