@@ -119,7 +119,7 @@ def main() -> None:
         for mode in modes:
             results[mode][m] = run_mode(cfg, mode, m, args)
             print(f"M={m} {mode}: {results[mode][m]['seconds_per_step']:.2f} s/step", flush=True)
-    params = next(iter(results["vertical"].values()))["params"]
+    params = next(iter(results["horizontal"].values()))["params"]
     lines = [
         f"GPT {args.layers}x{args.width} ({params / 1e6:.0f}M parameters), {args.precision}, micro-batch "
         f"{args.micro_batch}x{args.seq} tokens; measured disk {machine.disk_read / 1e9:.2f} GB/s read, "

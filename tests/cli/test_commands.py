@@ -35,3 +35,11 @@ def test_train_with_smart_update(tmp_path: Path) -> None:
                      cwd=tmp_path)  # fmt: skip
     assert "smart (2 OpenCL device(s)" in out and "device1/read" in out
     assert (tmp_path / "state" / "device1" / "master").is_dir()
+
+
+def test_schedule_bench_small(tmp_path: Path) -> None:
+    out = run_module("lightning_smartinf.cli.schedule_bench", "--layers", "2", "--width", "32", "--heads", "2",
+                     "--vocab", "256", "--seq", "16", "--micro-batches", "2", "--steps", "1", "--warmup", "1",
+                     "--modes", "vertical + overlap + eager", "--out", str(tmp_path / "out"),
+                     "--nvme-path", str(tmp_path / "state"), cwd=tmp_path)  # fmt: skip
+    assert "| 2 | vertical + overlap + eager |" in out and (tmp_path / "out" / "schedule_bench.png").is_file()
