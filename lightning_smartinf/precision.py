@@ -34,7 +34,6 @@ class SmartInfinityPrecision(Precision):
         self.precision = precision  # type: ignore[assignment]
         self.device_type = device_type
         self.engine: OffloadEngine | None = None
-        self.last_step_applied = True
         self.backward_done = False
         """Set by a schedule that ran its own backward inside training_step (vertical)."""
 
@@ -72,7 +71,7 @@ class SmartInfinityPrecision(Precision):
         if closure_result is None and model.automatic_optimization:
             self.engine.grads.reset()  # training_step returned None: Lightning skipped backward, so no step
             return None
-        self.last_step_applied = self.engine.step().applied
+        self.engine.step()
         return closure_result
 
     @override

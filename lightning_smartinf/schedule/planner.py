@@ -19,7 +19,7 @@ device the choice reduces to this search over the divisors of the batch.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -137,7 +137,3 @@ def measure_machine(device: torch.device, directory: Path, backend: IOBackend, u
     for i in range(chunks):
         store.path("probe", f"bw{i}").unlink(missing_ok=True)
     return Machine(flops, read, write, update_params_per_s, device_memory, host_memory)
-
-
-def as_dict(plan_: Plan) -> dict[str, object]:
-    return asdict(plan_)
