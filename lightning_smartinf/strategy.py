@@ -8,8 +8,10 @@ engine) and saves checkpoints as directories holding the offloaded state.
 
 from __future__ import annotations
 
+import io
 import logging
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,15 @@ from lightning.pytorch.strategies.strategy import Strategy, TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from lightning_smartinf.checkpoint.files import fsync_directory
+from lightning_smartinf.checkpoint.manifest import (
+    ENGINE_STATE,
+    MANIFEST,
+    TRAINER_STATE,
+    CheckpointWriter,
+    Manifest,
+    verify_checkpoint,
+)
 from lightning_smartinf.config import (
     CompressionConfig,
     OffloadConfig,
@@ -32,15 +43,23 @@ from lightning_smartinf.config import (
 )
 from lightning_smartinf.engine.engine import OffloadEngine
 from lightning_smartinf.engine.planning import memory_budget, update_rate, workload_of
-from lightning_smartinf.engine.snapshot import load_engine_state, save_engine_state
+from lightning_smartinf.engine.snapshot import engine_nbytes, load_engine_state, save_engine_state
 from lightning_smartinf.monitor import SmartInfinityMonitor
 from lightning_smartinf.precision import SmartInfinityPrecision
 from lightning_smartinf.schedule.planner import Plan, measure_machine, plan
 from lightning_smartinf.schedule.vertical import CheckpointTiers, VerticalSchedule, check_protocol
+from lightning_smartinf.storage.space import human_bytes
 
 log = logging.getLogger(__name__)
-TRAINER_STATE = "trainer_state.pt"
-ENGINE_STATE = "offload"
+
+
+@dataclass(frozen=True)
+class SaveRecord:
+    """The last checkpoint this strategy wrote: where, how big, and how long training waited for it."""
+
+    path: Path
+    nbytes: int
+    seconds: float
 
 
 class SmartInfinityStrategy(Strategy):
@@ -67,7 +86,8 @@ class SmartInfinityStrategy(Strategy):
         self.engine: OffloadEngine | None = None
         self.global_rank = self.local_rank = self.node_rank = 0
         self.world_size = 1
-        self._resume_from: Path | None = None
+        self._resume_from: Manifest | None = None
+        self.last_save: SaveRecord | None = None
         self.vertical: VerticalSchedule | None = None
         self.plan: Plan | None = None
         self._trainer: pl.Trainer | None = None
@@ -208,23 +228,41 @@ class SmartInfinityStrategy(Strategy):
     # -- checkpoints ---------------------------------------------------------------------------------------------
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Empty: the weights are the engine's fp32 masters, saved as files beside the trainer state."""
-        return {}
+        """Only the module's buffers: its weights are the engine's fp32 masters, saved as files in the checkpoint."""
+        module = self.lightning_module
+        assert module is not None
+        weights = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+        return {k: v for k, v in module.state_dict().items() if k not in weights}
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
-        """Write ``filepath`` as a directory: Lightning's trainer state plus the engine's offloaded state."""
+        """Write ``filepath`` as a checkpoint directory (Lightning's trainer state plus the engine's offloaded
+        state) that appears under that name only once complete: see ``checkpoint/manifest.py``."""
         assert self.engine is not None
-        target = Path(filepath)
-        if target.is_file():
-            target.unlink()
-        target.mkdir(parents=True, exist_ok=True)
-        save_engine_state(self.engine, target / ENGINE_STATE)
-        torch.save(checkpoint, target / TRAINER_STATE)
+        self.engine.wait_step()
+        buffer = io.BytesIO()
+        torch.save(checkpoint, buffer)
+        trainer_state = buffer.getvalue()
+        nbytes = engine_nbytes(self.engine) + len(trainer_state)
+        with CheckpointWriter(Path(filepath), nbytes) as writer:
+            writer.write(TRAINER_STATE, trainer_state)
+            engine = save_engine_state(self.engine, writer, ENGINE_STATE)
+            manifest = writer.publish({"engine": engine, "global_step": checkpoint.get("global_step", 0)})
+        self.last_save = SaveRecord(manifest.path, manifest.nbytes, writer.seconds)
+        log.info(
+            "smart_infinity: checkpoint %s, %s in %.2f s (%.2f s/GB)", manifest.path, human_bytes(manifest.nbytes),
+            writer.seconds, writer.seconds / max(manifest.nbytes / 1e9, 1e-9),
+        )  # fmt: skip
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        shutil.rmtree(filepath, ignore_errors=True)
+        """Unpublish first (drop the manifest), then delete: a kill halfway leaves no half checkpoint that looks
+        complete."""
+        path = Path(filepath)
+        (path / MANIFEST).unlink(missing_ok=True)
+        if path.is_dir():
+            fsync_directory(path)
+        shutil.rmtree(path, ignore_errors=True)
 
     @property
     @override
@@ -233,16 +271,17 @@ class SmartInfinityStrategy(Strategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(checkpoint_path)
-        if not (path / TRAINER_STATE).is_file():
-            raise FileNotFoundError(f"{path} is not a smart_infinity checkpoint directory (no {TRAINER_STATE})")
-        self._resume_from = path
-        return torch.load(path / TRAINER_STATE, weights_only=False)
+        """Verify every file of the checkpoint against its manifest, then read the trainer state; the engine state
+        follows in ``load_model_state_dict``."""
+        manifest = verify_checkpoint(Path(checkpoint_path))
+        self._resume_from = manifest
+        return torch.load(manifest.path / TRAINER_STATE, weights_only=False)  # type: ignore[no-any-return]
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        assert self.engine is not None and self._resume_from is not None
-        load_engine_state(self.engine, self._resume_from / ENGINE_STATE)
+        assert self.engine is not None and self._resume_from is not None and self.lightning_module is not None
+        load_engine_state(self.engine, self._resume_from, ENGINE_STATE)
+        self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=False)
 
     def close(self) -> None:
         """Stop the engine's I/O threads and give the module back its blocks' original ``forward``."""

@@ -75,6 +75,20 @@ class TopKCompressor:
             out[key] = out.get(key, 0) + r.numel() * r.element_size()
         return out
 
+    @property
+    def has_state(self) -> bool:
+        """Whether there are residuals to checkpoint (error feedback on)."""
+        return bool(self._residuals)
+
+    def state_dict(self) -> dict[int, torch.Tensor]:
+        return {index: r.cpu() for index, r in self._residuals.items()}
+
+    def load_state_dict(self, state: dict[int, torch.Tensor]) -> None:
+        if state.keys() != self._residuals.keys():
+            raise ValueError("the checkpoint's error-feedback residuals belong to another layout")
+        for index, residual in self._residuals.items():
+            residual.copy_(state[index])
+
     def wire_ratio(self, numel: int) -> float:
         """Bytes on the wire over dense fp32 bytes for a subgroup of ``numel`` elements."""
         return max_nnz(numel, self.cfg) * (4 + self.value_dtype.itemsize) / (4 * numel)

@@ -29,6 +29,7 @@ from lightning_smartinf.schedule.horizontal import find_blocks, unwrap_blocks, w
 from lightning_smartinf.storage.aligned import align_up, aligned_bytes, typed_view
 from lightning_smartinf.storage.counters import TrafficCounters
 from lightning_smartinf.storage.io import IOBackend, make_backend
+from lightning_smartinf.storage.lock import StateLock
 from lightning_smartinf.storage.space import prepare_directory
 from lightning_smartinf.storage.store import FileStore, HostStore, TensorStore
 from lightning_smartinf.update.base import StepContext, Updater
@@ -106,7 +107,28 @@ class OffloadEngine:
         root = Path(offload.nvme_path).expanduser().resolve()
         host_update = update.backend == "host"
         needed = planned_storage_bytes(self.layout, self.rule, offload, self.itemsize, host_update)
-        prepare_directory(root, needed, offload.check_free_space)
+        self._locks: list[StateLock] = []
+        try:
+            self._build(root, needed, update)
+        except BaseException:
+            self._release_locks()
+            raise
+
+    def _lock(self, directory: Path, needed: int, key: str) -> None:
+        """Check the directory can hold ``needed`` bytes and take it for this run (see ``StateLock``)."""
+        prepare_directory(directory, needed, self.cfg.check_free_space, key)
+        lock = StateLock(directory, key)
+        lock.acquire()
+        self._locks.append(lock)
+
+    def _release_locks(self) -> None:
+        for lock in self._locks:
+            lock.release()
+        self._locks.clear()
+
+    def _build(self, root: Path, needed: int, update: UpdateConfig) -> None:
+        offload = self.cfg
+        self._lock(root, needed, "offload.nvme_path")
         self.root = root
         self.backend: IOBackend = make_backend(
             offload.io_backend, root, offload.io_threads, offload.aio_intra_op_parallelism,
@@ -115,9 +137,9 @@ class OffloadEngine:
         log.info("smart_infinity storage backend: %s", self.backend.name)
         disk = FileStore(root, self.backend, self.counters, HOST_LINK)
         self.disk = disk
-        pin = device.type == "cuda"
+        pin = self.device.type == "cuda"
         param_store: TensorStore = disk if offload.params == "nvme" else HostStore(pin=pin)
-        self.params = ParamStreamer(self.layout, param_store, param_dtype, device, offload.prefetch)
+        self.params = ParamStreamer(self.layout, param_store, self.param_dtype, self.device, offload.prefetch)
         self.updater: Updater | None = None
         self._device_backends: list[IOBackend] = []
         if self.rule is not None:
@@ -141,8 +163,7 @@ class OffloadEngine:
         cfg = self.cfg
 
         def make_store(directory: Path, link: str, needed: int) -> FileStore:
-            key = f"update.devices[{link.removeprefix('device')}].path"
-            prepare_directory(directory, needed, cfg.check_free_space, key)
+            self._lock(directory, needed, f"update.devices[{link.removeprefix('device')}].path")
             backend = make_backend(cfg.io_backend, directory, cfg.io_threads, cfg.aio_intra_op_parallelism,
                                    cfg.aio_block_size, cfg.aio_queue_depth)  # fmt: skip
             self._device_backends.append(backend)
@@ -368,3 +389,4 @@ class OffloadEngine:
             self.updater.close()
         for backend in (self.backend, *self._device_backends):
             backend.close()
+        self._release_locks()

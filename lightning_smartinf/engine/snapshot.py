@@ -1,66 +1,137 @@
-"""Saving and restoring an engine's offloaded state as a directory of files beside Lightning's checkpoint.
+"""What of an engine goes into a checkpoint, and how it comes back.
 
-The state files of each subgroup (fp32 master and optimizer state) are copied as they stand at a step boundary,
-with ``engine.json`` describing the layout they belong to; restoring checks that layout, copies them back and
-rebuilds the 16-bit parameters from the masters.
+Saved, as of a step boundary: every subgroup's state files (fp32 master and optimizer state, as the updater keeps
+them, from each state directory), the step counter, the loss scaler, the error-feedback residuals of top-k
+compression, and the layout: which parameter sits where in which subgroup. The layout lets a resume check that
+the checkpoint fits the model, and lets ``smartinf-export`` rebuild a plain state dict without the model's code.
+16-bit parameters and gradients are not saved: the former are rebuilt from the masters, the latter are empty at
+a step boundary.
 """
 
 from __future__ import annotations
 
-import json
+import io
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from lightning_smartinf.checkpoint.manifest import CheckpointWriter, Manifest
+from lightning_smartinf.update.smart import SmartUpdater
+
 if TYPE_CHECKING:
     from lightning_smartinf.engine.engine import OffloadEngine
 
-MANIFEST = "engine.json"
-
-
-def _signature(engine: OffloadEngine) -> dict[str, Any]:
-    return {
-        "subgroups": [[sg.block, sg.param_group, sg.offset, sg.numel] for sg in engine.layout.subgroups],
-        "optimizer": engine.rule.name if engine.rule else None,
-        "state_directories": len(_state_dirs(engine)),
-    }
+RESIDUALS = "residuals.pt"
 
 
 def _state_dirs(engine: OffloadEngine) -> list[Path]:
     return engine.updater.state_directories() if engine.updater else []
 
 
-def save_engine_state(engine: OffloadEngine, directory: Path) -> None:
-    engine.wait_step()  # consistent as of a step boundary
-    directory.mkdir(parents=True, exist_ok=True)
-    kinds = ("master", *(engine.rule.state_kinds if engine.rule else ()))
+def _kinds(engine: OffloadEngine) -> tuple[str, ...]:
+    return ("master", *(engine.rule.state_kinds if engine.rule else ()))
+
+
+def state_files(engine: OffloadEngine) -> list[tuple[Path, str]]:
+    """(live file, path inside the checkpoint) for every state file, ``state{i}/{kind}/{subgroup}``."""
+    files = []
     for index, state_dir in enumerate(_state_dirs(engine)):
-        for kind in kinds:
-            if (state_dir / kind).is_dir():
-                shutil.copytree(state_dir / kind, directory / f"state{index}" / kind, dirs_exist_ok=True)
-    manifest = {
+        for kind in _kinds(engine):
+            for sg in engine.layout.subgroups:
+                live = state_dir / kind / sg.key
+                if live.is_file():
+                    files.append((live, f"state{index}/{kind}/{sg.key}"))
+    return files
+
+
+def layout_record(engine: OffloadEngine) -> dict[str, Any]:
+    """The layout as plain data: enough to find any parameter's fp32 values in the saved master files."""
+    return {
+        "blocks": [
+            {
+                "name": b.name,
+                "numel": b.numel,
+                "params": [[s.name, s.offset, s.numel, list(s.shape)] for s in b.slots],
+            }
+            for b in engine.layout.blocks
+        ],
+        "subgroups": [[sg.key, sg.block, sg.param_group, sg.offset, sg.numel] for sg in engine.layout.subgroups],
+        "aliases": _aliases(engine),
+    }
+
+
+def _aliases(engine: OffloadEngine) -> dict[str, str]:
+    """Second names of shared parameters (``state_dict`` lists each name), mapped to the name the layout uses."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in engine.model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
+def _signature(engine: OffloadEngine) -> dict[str, Any]:
+    return {
+        "layout": layout_record(engine),
+        "optimizer": engine.rule.name if engine.rule else None,
+        "state_directories": len(_state_dirs(engine)),
+    }
+
+
+def _compressor(engine: OffloadEngine) -> Any:
+    return engine.updater.compressor if isinstance(engine.updater, SmartUpdater) else None
+
+
+def engine_nbytes(engine: OffloadEngine) -> int:
+    """Bytes ``save_engine_state`` writes."""
+    compressor = _compressor(engine)
+    residuals = sum(compressor.residual_bytes.values()) if compressor is not None else 0
+    return sum(live.stat().st_size for live, _ in state_files(engine)) + residuals
+
+
+def save_engine_state(engine: OffloadEngine, writer: CheckpointWriter, prefix: str) -> dict[str, Any]:
+    """Queue the engine's files into ``writer`` under ``prefix``; return the metadata for the manifest."""
+    engine.wait_step()  # consistent as of a step boundary
+    for live, relative in state_files(engine):
+        writer.copy(live, f"{prefix}/{relative}")
+    compressor = _compressor(engine)
+    if compressor is not None and compressor.has_state:
+        buffer = io.BytesIO()
+        torch.save(compressor.state_dict(), buffer)
+        writer.write(f"{prefix}/{RESIDUALS}", buffer.getvalue())
+    return {
         "signature": _signature(engine),
         "step_count": engine.step_count,
         "loss_scaler": engine.scaler.state_dict() if engine.scaler else None,
+        "param_dtype": str(engine.param_dtype).removeprefix("torch."),
     }
-    (directory / MANIFEST).write_text(json.dumps(manifest))
 
 
-def load_engine_state(engine: OffloadEngine, directory: Path) -> None:
-    manifest_path = directory / MANIFEST
-    if not manifest_path.is_file():
-        raise FileNotFoundError(f"{directory} holds no {MANIFEST}: not a smart_infinity checkpoint")
-    manifest = json.loads(manifest_path.read_text())
-    if manifest["signature"] != _signature(engine):
+def load_engine_state(engine: OffloadEngine, manifest: Manifest, prefix: str) -> None:
+    """Restore a verified checkpoint's engine state (written by ``save_engine_state`` under ``prefix``)."""
+    meta = manifest.meta["engine"]
+    if meta["signature"] != _signature(engine):
         raise ValueError(
-            f"checkpoint {directory} was written for another model, optimizer or offload.subgroup_size; "
-            "resume with the configuration it was saved with"
+            f"checkpoint {manifest.path} was written for another model, optimizer, offload.subgroup_size or number "
+            "of update devices; resume with the configuration it was saved with"
         )
+    engine.wait_step()
+    root = manifest.path / prefix
     for index, state_dir in enumerate(_state_dirs(engine)):
-        saved = directory / f"state{index}"
-        for kind_dir in saved.iterdir() if saved.is_dir() else ():
-            shutil.copytree(kind_dir, state_dir / kind_dir.name, dirs_exist_ok=True)
-    engine.step_count = manifest["step_count"]
-    if engine.scaler is not None and manifest["loss_scaler"]:
-        engine.scaler.load_state_dict(manifest["loss_scaler"])
+        for kind in _kinds(engine):
+            (state_dir / kind).mkdir(parents=True, exist_ok=True)
+            for sg in engine.layout.subgroups:
+                saved = root / f"state{index}" / kind / sg.key
+                if saved.is_file():
+                    shutil.copyfile(saved, state_dir / kind / sg.key)
+    compressor = _compressor(engine)
+    if compressor is not None and compressor.has_state:
+        compressor.load_state_dict(torch.load(root / RESIDUALS, weights_only=True))
+    engine.step_count = meta["step_count"]
+    if engine.scaler is not None and meta["loss_scaler"]:
+        engine.scaler.load_state_dict(meta["loss_scaler"])
     engine.republish_params()

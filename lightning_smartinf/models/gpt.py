@@ -6,12 +6,16 @@ horizontal schedule streams; embeddings, the final norm and the tied head stay r
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file
 from torch import nn
 
 
@@ -128,11 +132,23 @@ class GPTModule(pl.LightningModule):
         optimizer: str = "adamw",
     ) -> None:
         super().__init__()
+        self.save_hyperparameters()  # in every checkpoint, so an export can rebuild the module (from_safetensors)
         self.cfg = model or GPTConfig()
         self.gpt = GPT(self.cfg)
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
         self.warmup_steps = warmup_steps
         self.optimizer_name = optimizer
+
+    @classmethod
+    def from_safetensors(cls, path: str | Path) -> GPTModule:
+        """The module an ``smartinf-export`` file describes, with its weights loaded (no strategy needed)."""
+        with safe_open(str(path), "pt") as f:
+            hyper = json.loads((f.metadata() or {}).get("hyper_parameters", "{}"))
+        if "model" not in hyper:
+            raise ValueError(f"{path} has no GPT hyper-parameters: build the GPTModule yourself and load_state_dict")
+        module = cls(**{**hyper, "model": GPTConfig(**hyper["model"])})
+        module.load_state_dict(load_file(str(path)))
+        return module
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.gpt(idx)

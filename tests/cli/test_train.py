@@ -21,7 +21,7 @@ def test_default_run_shortened(tmp_path: Path) -> None:
     summary = json.loads(summary_path.read_text())
     assert summary["summary"]["optimizer_steps"] == 6
     assert Path(summary["plot"]).stat().st_size > 10_000
-    assert (Path(summary["checkpoint"]) / "offload" / "engine.json").is_file()
+    assert (Path(summary["checkpoint"]) / "manifest.json").is_file()
     assert summary["val_loss"] < 5.6  # below uniform over bytes (ln 256 = 5.55) after 6 steps
 
 

@@ -1,0 +1,98 @@
+"""Durable file writes for checkpoints: every byte hashed on its way to disk, fsynced, disk-full named.
+
+A checkpoint file is written once, by one of these helpers, so its SHA-256 comes for free with the write and the
+manifest can list it without a second read. ``os.write`` and ``hashlib`` both release the GIL, so several files
+copy in parallel threads.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from lightning_smartinf.storage.space import human_bytes
+
+CHUNK = 8 << 20
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """What the manifest keeps about one file: its size and SHA-256."""
+
+    nbytes: int
+    sha256: str
+
+
+class DiskFullError(OSError):
+    """No room for a checkpoint or state file; the message names the path, the bytes needed and the bytes free."""
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the filesystem holding ``path`` (or its nearest existing ancestor)."""
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+def disk_full(path: Path, needed: int, what: str) -> DiskFullError:
+    return DiskFullError(
+        errno.ENOSPC,
+        f"disk full: {what} at {path} needs {human_bytes(needed)} and {human_bytes(free_bytes(path))} are free; "
+        "free space or write it elsewhere (the last complete checkpoint is untouched)",
+    )
+
+
+def read_chunks(path: Path) -> Iterator[memoryview]:
+    """The file's bytes in ``CHUNK`` pieces (each view is valid until the next one is taken)."""
+    buffer = bytearray(CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            yield view[:n]
+
+
+def write_chunks(path: Path, chunks: Iterable[bytes | memoryview]) -> FileRecord:
+    """Create ``path`` (it must not exist), write the chunks, fsync; return its size and SHA-256."""
+    digest = hashlib.sha256()
+    size = 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        for chunk in chunks:
+            digest.update(chunk)
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(fd, view) :]
+            size += len(chunk)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return FileRecord(size, digest.hexdigest())
+
+
+def copy_file(source: Path, target: Path) -> FileRecord:
+    return write_chunks(target, read_chunks(source))
+
+
+def hash_file(path: Path) -> FileRecord:
+    digest = hashlib.sha256()
+    size = 0
+    for chunk in read_chunks(path):
+        digest.update(chunk)
+        size += len(chunk)
+    return FileRecord(size, digest.hexdigest())
+
+
+def fsync_directory(path: Path) -> None:
+    """Make a directory's entries (new files, renames) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

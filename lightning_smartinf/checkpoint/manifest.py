@@ -1,0 +1,282 @@
+"""Checkpoint directories that are either complete and intact or not taken at all.
+
+Writing: every file goes into a hidden staging directory beside the target (``.NAME.partial-PID``), hashed and
+fsynced as it is written; then ``manifest.json`` (every file's size and SHA-256, plus the caller's metadata, plus
+its own hash) is written and fsynced, and only then is the staging directory renamed to the target. A process
+killed at any moment leaves either the previous checkpoint or the new one under the target's name, never a mix.
+
+Reading: the manifest and every file's size and hash are checked before anything is loaded; a missing, truncated
+or altered file is reported by name. A target that vanished in the one window where an existing checkpoint is
+being replaced (between its two renames) is recovered from the complete staging or replaced directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from lightning_smartinf.checkpoint.files import (
+    FULL_ERRNOS,
+    FileRecord,
+    copy_file,
+    disk_full,
+    free_bytes,
+    fsync_directory,
+    hash_file,
+    write_chunks,
+)
+
+log = logging.getLogger(__name__)
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.pt"  # what Lightning saves: loops, callbacks, hyper-parameters, module buffers
+ENGINE_STATE = "offload"  # the engine's state files (engine/snapshot.py)
+FORMAT = "smart_infinity-checkpoint"
+VERSION = 1
+COPY_THREADS = 4
+
+
+class CheckpointError(RuntimeError):
+    """A path that is not a complete smart_infinity checkpoint."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A complete checkpoint whose files no longer match their manifest."""
+
+
+@dataclass
+class Manifest:
+    path: Path
+    files: dict[str, FileRecord]
+    meta: dict[str, Any]
+    created: float
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.files.values())
+
+
+def _staging_name(target: Path) -> Path:
+    return target.parent / f".{target.name}.partial-{os.getpid()}"
+
+
+def _replaced_name(target: Path) -> Path:
+    return target.parent / f".{target.name}.replaced-{os.getpid()}"
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _body_hash(body: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+class CheckpointWriter:
+    """Builds one checkpoint directory; ``publish`` makes it visible, leaving the ``with`` block otherwise removes
+    the staging directory and keeps whatever was at the target before."""
+
+    def __init__(self, target: Path, nbytes: int) -> None:
+        self.target = target.absolute()
+        self.nbytes = nbytes
+        self.target.parent.mkdir(parents=True, exist_ok=True)
+        self._clean_stale_staging()
+        self.staging = _staging_name(self.target)
+        _remove(self.staging)
+        if free_bytes(self.target.parent) < nbytes:
+            raise disk_full(self.target, nbytes, "the checkpoint")
+        self.staging.mkdir()
+        self.files: dict[str, FileRecord] = {}
+        self._pending: dict[str, Future[FileRecord]] = {}
+        self._pool = ThreadPoolExecutor(max_workers=COPY_THREADS, thread_name_prefix="smartinf-ckpt")
+        self._directories: set[Path] = {self.staging}
+        self._started = time.perf_counter()
+        self.seconds = 0.0
+
+    def _clean_stale_staging(self) -> None:
+        """Drop unfinished staging directories of runs that died mid-save (complete ones are left for recovery)."""
+        for stale in self.target.parent.glob(".*.partial-*"):
+            pid = stale.name.rsplit("-", 1)[-1]
+            if pid.isdigit() and not _pid_alive(int(pid)) and not (stale / MANIFEST).is_file():
+                log.info("removing %s, left by a save that was interrupted", stale)
+                _remove(stale)
+
+    def _destination(self, relative: str) -> Path:
+        path = self.staging / relative
+        if path.parent not in self._directories:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._directories.add(path.parent)
+        return path
+
+    def copy(self, source: Path, relative: str) -> None:
+        """Copy ``source`` to ``relative`` inside the checkpoint (in a background thread)."""
+        self._pending[relative] = self._pool.submit(copy_file, source, self._destination(relative))
+
+    def write(self, relative: str, data: bytes) -> None:
+        self.files[relative] = self._checked(lambda: write_chunks(self._destination(relative), [data]))
+
+    def _checked(self, work: Any) -> Any:
+        try:
+            return work()
+        except OSError as err:
+            if err.errno in FULL_ERRNOS:
+                raise disk_full(self.target, self.nbytes, "the checkpoint") from err
+            raise
+
+    def publish(self, meta: dict[str, Any]) -> Manifest:
+        """Wait for every file, write the manifest, and rename the staging directory onto the target."""
+        for relative, future in self._pending.items():
+            self.files[relative] = self._checked(future.result)
+        self._pending.clear()
+        created = time.time()
+        body = {
+            "format": FORMAT,
+            "version": VERSION,
+            "created": created,
+            "files": {k: {"bytes": r.nbytes, "sha256": r.sha256} for k, r in sorted(self.files.items())},
+            "meta": meta,
+        }
+        text = json.dumps({**body, "manifest_sha256": _body_hash(body)}, indent=1)
+        self._checked(lambda: write_chunks(self.staging / MANIFEST, [text.encode()]))
+        for directory in sorted(self._directories, key=lambda p: -len(p.parts)):
+            fsync_directory(directory)
+        self._swap_into_place()
+        self.seconds = time.perf_counter() - self._started
+        return Manifest(self.target, dict(self.files), meta, created)
+
+    def _swap_into_place(self) -> None:
+        replaced = None
+        if self.target.exists() or self.target.is_symlink():
+            replaced = _replaced_name(self.target)
+            _remove(replaced)
+            os.rename(self.target, replaced)
+        os.rename(self.staging, self.target)
+        fsync_directory(self.target.parent)
+        if replaced is not None:
+            _remove(replaced)
+
+    def __enter__(self) -> CheckpointWriter:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None) -> None:
+        for future in self._pending.values():
+            future.cancel()
+        self._pool.shutdown(wait=True)
+        if err is not None:
+            _remove(self.staging)
+
+
+def _read_manifest(path: Path) -> Manifest:
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(
+            f"{path} is not a complete smart_infinity checkpoint: it has no {MANIFEST} (a save that never "
+            "finished, or not a checkpoint); resume from another one"
+        )
+    try:
+        raw = json.loads(manifest_path.read_text())
+        claimed = raw.pop("manifest_sha256")
+        intact = raw.get("format") == FORMAT and claimed == _body_hash(raw)
+    except (ValueError, KeyError, AttributeError, UnicodeDecodeError):
+        intact = False
+    if not intact:
+        raise CheckpointCorruptError(f"checkpoint {path} is damaged and was not loaded: {MANIFEST} is altered")
+    if raw["version"] > VERSION:
+        raise CheckpointError(f"{path} was written by a newer lightning-smartinf (format {raw['version']})")
+    files = {k: FileRecord(v["bytes"], v["sha256"]) for k, v in raw["files"].items()}
+    return Manifest(path, files, raw["meta"], raw["created"])
+
+
+def _recover(target: Path) -> None:
+    """Put back a checkpoint that a killed save left under its staging or replaced name."""
+    candidates = sorted(target.parent.glob(f".{target.name}.partial-*")) + sorted(
+        target.parent.glob(f".{target.name}.replaced-*")
+    )
+    for candidate in candidates:
+        try:
+            _read_manifest(candidate)
+        except CheckpointError:
+            continue
+        os.rename(candidate, target)
+        fsync_directory(target.parent)
+        log.warning("recovered checkpoint %s from %s (a save was killed while publishing it)", target, candidate)
+        for older in target.parent.glob(f".{target.name}.replaced-*"):
+            _remove(older)
+        return
+
+
+def verify_checkpoint(path: Path) -> Manifest:
+    """The checkpoint's manifest, after checking every file's size and SHA-256; raises naming each bad file."""
+    path = path.absolute()
+    if not path.exists():
+        _recover(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a smart_infinity checkpoint directory")
+    manifest = _read_manifest(path)
+    problems: list[str] = []
+
+    def check(relative: str, record: FileRecord) -> str | None:
+        file = path / relative
+        if not file.is_file():
+            return f"{relative}: missing"
+        size = file.stat().st_size
+        if size != record.nbytes:
+            change = "truncated" if size < record.nbytes else "grown"
+            return f"{relative}: {change} ({size} bytes, {record.nbytes} written)"
+        if hash_file(file).sha256 != record.sha256:
+            return f"{relative}: contents altered (SHA-256 mismatch)"
+        return None
+
+    with ThreadPoolExecutor(max_workers=COPY_THREADS) as pool:
+        for problem in pool.map(lambda item: check(*item), manifest.files.items()):
+            if problem:
+                problems.append(problem)
+    if problems:
+        listed = "\n  ".join(problems)
+        raise CheckpointCorruptError(
+            f"checkpoint {path} is damaged and was not loaded:\n  {listed}\nresume from another checkpoint"
+        )
+    return manifest
+
+
+def latest_checkpoint(directory: Path) -> Path | None:
+    """The complete checkpoint under ``directory`` with the highest step (by manifest), or None."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    for hidden in directory.glob(".*.*-*"):  # a save killed between its renames
+        name, _, suffix = hidden.name[1:].rpartition(".")
+        if suffix.split("-")[0] in ("partial", "replaced") and not (directory / name).exists():
+            _recover(directory / name)
+    best: tuple[int, float, Path] | None = None
+    for entry in directory.iterdir():
+        if entry.name.startswith(".") or not (entry / MANIFEST).is_file():
+            continue
+        try:
+            manifest = _read_manifest(entry)
+        except CheckpointError:
+            continue
+        key = (int(manifest.meta.get("global_step", 0)), manifest.created, entry)
+        best = key if best is None or key[:2] > best[:2] else best
+    return best[2] if best else None
