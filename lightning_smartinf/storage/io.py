@@ -102,11 +102,14 @@ class ThreadPoolIO:
 class DeepSpeedAIO:
     """DeepSpeed's ``aio_handle`` (libaio, O_DIRECT), one handle per worker thread."""
 
-    def __init__(self, threads: int, intra_op_parallelism: int, block_size: int, queue_depth: int) -> None:
+    def __init__(
+        self, directory: Path, threads: int, intra_op_parallelism: int, block_size: int, queue_depth: int
+    ) -> None:
         from deepspeed.ops.op_builder import AsyncIOBuilder
 
         self._module: Any = AsyncIOBuilder().load(verbose=False)
         self._handle_args = (block_size, queue_depth, False, True, intra_op_parallelism)
+        self._first_write(directory)
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="smartinf-aio")
         self.direct = True
@@ -114,6 +117,17 @@ class DeepSpeedAIO:
             f"deepspeed-aio(libaio, O_DIRECT, {threads} handles x intra_op_parallelism={intra_op_parallelism}, "
             f"block_size={block_size}, queue_depth={queue_depth})"
         )
+
+    def _first_write(self, directory: Path) -> None:
+        """One write from this thread before any worker exists. DeepSpeed's ``sync_pwrite`` logs an SSD-endurance
+        warning inside a ``std::call_once`` while holding the GIL; when two threads make their first writes at once,
+        the second waits in ``call_once`` holding the GIL that the first needs to finish logging: a deadlock.
+        Running the ``call_once`` here, alone, makes it a no-op for the workers."""
+        probe = directory / f".aio_probe_{uuid.uuid4().hex}"
+        try:
+            self._module.aio_handle(*self._handle_args).sync_pwrite(aligned_bytes(ALIGNMENT), str(probe))
+        finally:
+            probe.unlink(missing_ok=True)
 
     def _handle(self) -> Any:
         handle = getattr(self._local, "handle", None)
@@ -164,7 +178,7 @@ def make_backend(
         return ThreadPoolIO(threads, direct=False)
     if kind in ("auto", "aio"):
         try:
-            return DeepSpeedAIO(threads, intra_op_parallelism, block_size, queue_depth)
+            return DeepSpeedAIO(directory, threads, intra_op_parallelism, block_size, queue_depth)
         except Exception as err:  # noqa: BLE001 - the op may fail to compile; fall back unless it was demanded
             if kind == "aio":
                 raise RuntimeError(f"offload.io_backend=aio but DeepSpeed's async_io op did not load: {err}") from err
