@@ -31,6 +31,8 @@ class SmartInfinityMonitor(Callback):
         self.started = 0.0
         self.step_started = 0.0
         self.last_bytes = 0
+        self.start_bytes = 0
+        self.start_step = 0
         self.summary: dict[str, Any] = {}
 
     @staticmethod
@@ -41,7 +43,8 @@ class SmartInfinityMonitor(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.started = self.step_started = time.perf_counter()
         engine = self._engine(trainer)
-        self.last_bytes = engine.counters.total(link="host") if engine else 0
+        self.last_bytes = self.start_bytes = engine.counters.total(link="host") if engine else 0
+        self.start_step = engine.step_count if engine else 0  # non-zero after a resume
 
     @override
     def on_train_batch_end(
@@ -70,20 +73,23 @@ class SmartInfinityMonitor(Callback):
         if engine is None:
             return
         seconds = time.perf_counter() - self.started
-        steps = max(engine.step_count, 1)
+        steps = engine.step_count - self.start_step
         params = engine.layout.num_params
         table = engine.counters.table()
         self.summary = {
             "seconds": seconds,
             "tokens": self.tokens,
             "tokens_per_s": self.tokens / max(seconds, 1e-9),
-            "optimizer_steps": engine.step_count,
+            "optimizer_steps": steps,
+            "resumed_at_step": self.start_step,
             "params": params,
             "storage_backend": engine.backend.name,
             "updater": engine.updater.name if engine.updater else None,
             "engine_host_buffers_MiB": engine.host_memory_bytes / 2**20,
             "traffic_bytes": table,
-            "host_link_bytes_per_param_per_step": engine.counters.total(link="host") / params / steps,
+            "host_link_bytes_per_param_per_step": (engine.counters.total(link="host") - self.start_bytes)
+            / params
+            / max(steps, 1),
         }
         if trainer.is_global_zero:
             print(format_summary(self.summary))
@@ -94,6 +100,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         "smart_infinity summary",
         f"  {summary['optimizer_steps']} steps, {summary['tokens']:,} tokens in {summary['seconds']:.1f} s "
         f"({summary['tokens_per_s']:,.0f} tokens/s); {summary['params']:,} parameters",
+        *([f"  resumed at step {summary['resumed_at_step']}"] if summary.get("resumed_at_step") else []),
         f"  storage: {summary['storage_backend']}",
         f"  update:  {summary['updater']}; engine host buffers {summary['engine_host_buffers_MiB']:.1f} MiB",
         f"  host link: {summary['host_link_bytes_per_param_per_step']:.2f} B/param/step (params, grads, state)",

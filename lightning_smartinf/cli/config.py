@@ -60,6 +60,10 @@ class TrainerConfig:
     seed: int = 1234
     output_dir: str = "smartinf_runs"
     """Logs, the checkpoint and the plot go to a timestamped directory under this one."""
+    checkpoint_every_n_steps: int = 0
+    """Also checkpoint every this many steps (keeping the newest); 0: only at the end."""
+    resume: str | None = None
+    """A checkpoint to resume from, or a directory of them (its newest complete one is taken)."""
 
 
 @dataclass

@@ -2,6 +2,8 @@
 
     smartinf-train                                  # tiny recipe on CPU, state in ./smartinf_state
     smartinf-train recipe=gpt_350m offload.nvme_path=/mnt/nvme trainer.max_steps=100
+    smartinf-train trainer.checkpoint_every_n_steps=50              # crash-safe checkpoints as it goes
+    smartinf-train trainer.resume=smartinf_runs/DATE/TIME/checkpoints trainer.max_steps=400
 
 It trains, validates, saves a checkpoint, writes a PNG of the loss and traffic curves, and prints where it all went.
 """
@@ -15,9 +17,11 @@ from pathlib import Path
 import hydra
 import lightning.pytorch as pl
 from hydra.core.hydra_config import HydraConfig
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_smartinf.checkpoint.manifest import MANIFEST, latest_checkpoint
 from lightning_smartinf.cli.config import TrainConfig, register_configs
 from lightning_smartinf.cli.plots import plot_run
 from lightning_smartinf.data.corpus import TextDataModule
@@ -35,6 +39,9 @@ def build_trainer(cfg: TrainConfig, out_dir: Path) -> tuple[pl.Trainer, SmartInf
     )
     monitor = SmartInfinityMonitor()
     t = cfg.trainer
+    callbacks: list[pl.Callback] = [monitor]
+    if t.checkpoint_every_n_steps:
+        callbacks.append(ModelCheckpoint(out_dir / "checkpoints", every_n_train_steps=t.checkpoint_every_n_steps))
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator=t.accelerator,
@@ -48,11 +55,27 @@ def build_trainer(cfg: TrainConfig, out_dir: Path) -> tuple[pl.Trainer, SmartInf
         gradient_clip_val=t.gradient_clip_val or None,
         accumulate_grad_batches=t.accumulate_grad_batches,
         logger=CSVLogger(out_dir, name="logs", version=""),
-        callbacks=[monitor],
-        enable_checkpointing=False,
+        callbacks=callbacks,
+        enable_checkpointing=bool(t.checkpoint_every_n_steps),
         default_root_dir=out_dir,
     )
     return trainer, strategy, monitor
+
+
+def resume_path(resume: str | None) -> Path | None:
+    """``trainer.resume``: a checkpoint, or a directory whose newest complete checkpoint is taken."""
+    if resume is None:
+        return None
+    path = Path(resume).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"trainer.resume={resume!r} does not exist")
+    if (path / MANIFEST).is_file():
+        return path
+    found = latest_checkpoint(path)
+    if found is None:
+        raise FileNotFoundError(f"trainer.resume={resume!r} holds no complete smart_infinity checkpoint")
+    log.info("resuming from %s", found)
+    return found
 
 
 def run(cfg: TrainConfig, out_dir: Path) -> dict[str, object]:
@@ -65,7 +88,7 @@ def run(cfg: TrainConfig, out_dir: Path) -> dict[str, object]:
     data = TextDataModule(d.path, d.seq_len, d.batch_size, d.val_percent, d.train_samples, d.val_samples,
                           d.num_workers, cfg.trainer.seed)  # fmt: skip
     trainer, strategy, monitor = build_trainer(cfg, out_dir)
-    trainer.fit(module, datamodule=data)
+    trainer.fit(module, datamodule=data, ckpt_path=resume_path(cfg.trainer.resume))
     val = trainer.validate(module, datamodule=data, verbose=False)
     checkpoint = out_dir / "checkpoints" / f"step{trainer.global_step}.ckpt"
     trainer.save_checkpoint(checkpoint)

@@ -112,9 +112,12 @@ def main() -> None:
     module = GPTModule(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=256, block_size=16), lr=1e-2)
     data = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(0))
     schedule = {"kind": args.schedule, "micro_batches": 2, "overlap": 0.5} if args.schedule == "vertical" else None
-    compression = {"kind": "topk", "keep": 0.1, "block": 256, "error_feedback": True} if args.compression == "topk" else None
+    compression = (
+        {"kind": "topk", "keep": 0.1, "block": 256, "error_feedback": True} if args.compression == "topk" else None
+    )
+    grads = "cpu" if compression else "nvme"  # top-k selects from the accumulated gradient in host memory
     strategy = SmartInfinityStrategy(
-        offload={"nvme_path": str(args.out / "state"), "subgroup_size": 4096, "io_backend": "threads"},
+        offload={"nvme_path": str(args.out / "state"), "subgroup_size": 4096, "io_backend": "threads", "grads": grads},
         update={"backend": args.update, "host_adam": "torch", "devices": 2}, schedule=schedule, compression=compression,
     )  # fmt: skip
     checkpoints = ModelCheckpoint(dirpath=args.out / "ckpts", every_n_train_steps=2, save_top_k=-1, save_last=True,

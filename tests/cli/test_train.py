@@ -12,7 +12,7 @@ def test_default_run_shortened(tmp_path: Path) -> None:
     cmd = [
         sys.executable, "-m", "lightning_smartinf.cli.train", "trainer.max_steps=6", "trainer.val_check_interval=3",
         "trainer.limit_val_batches=2", f"trainer.output_dir={tmp_path / 'runs'}",
-        f"offload.nvme_path={tmp_path / 'state'}", "trainer.log_every_n_steps=1",
+        f"offload.nvme_path={tmp_path / 'state'}", "trainer.log_every_n_steps=1", "trainer.checkpoint_every_n_steps=4",
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -23,6 +23,15 @@ def test_default_run_shortened(tmp_path: Path) -> None:
     assert Path(summary["plot"]).stat().st_size > 10_000
     assert (Path(summary["checkpoint"]) / "manifest.json").is_file()
     assert summary["val_loss"] < 5.6  # below uniform over bytes (ln 256 = 5.55) after 6 steps
+
+    periodic = summary_path.parent / "checkpoints"  # step 4 (kept) and the final step 6
+    resume = [*cmd[:3], "trainer.max_steps=8", "trainer.limit_val_batches=2", *cmd[7:],
+              f"trainer.output_dir={tmp_path / 'resumed'}", f"trainer.resume={periodic}"]  # fmt: skip
+    done = subprocess.run(resume, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resuming from" in done.stdout + done.stderr and "step6.ckpt" in done.stdout + done.stderr
+    resumed = json.loads(next((tmp_path / "resumed").glob("*/summary.json")).read_text())
+    assert resumed["summary"]["optimizer_steps"] == 2 and Path(resumed["checkpoint"]).name == "step8.ckpt"
 
 
 def test_unknown_recipe_is_a_hydra_error(tmp_path: Path) -> None:

@@ -1,0 +1,61 @@
+"""Save, resume, continue: bit for bit the uninterrupted run, for each update backend, schedule and precision."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import make_module, token_loader
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_smartinf import SmartInfinityStrategy
+from lightning_smartinf.checkpoint import CheckpointCorruptError, latest_checkpoint
+
+CASES = {
+    "host-vertical-overlap": ({"update": {"host_adam": "torch"}, "schedule": {"kind": "vertical", "micro_batches": 2,
+                                                                             "overlap": 0.5}}, "32-true"),
+    "host-vertical-eager": ({"update": {"host_adam": "torch"}, "schedule": {"kind": "vertical", "micro_batches": 2,
+                                                                           "eager_update": True}}, "32-true"),
+    "smart-bf16": ({"update": {"backend": "smart", "devices": 2}}, "bf16-mixed"),
+    "host-fp16-loss-scaling": ({"update": {"host_adam": "torch"}}, "16-mixed"),
+}  # fmt: skip
+
+
+def train(root: Path, steps: int, settings: dict[str, Any], precision: str, resume: Path | None = None) -> Any:
+    strategy = SmartInfinityStrategy(
+        offload={"nvme_path": str(root / "state"), "subgroup_size": 4096, "io_backend": "threads"}, **settings
+    )
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, precision=precision, logger=False,
+        callbacks=[ModelCheckpoint(dirpath=root / "ckpts", every_n_train_steps=2, save_top_k=-1)],
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(make_module(seed=1 if resume else 0), token_loader(samples=16), ckpt_path=resume)
+    state = strategy.consolidated_state_dict()
+    strategy.close()
+    return state
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_resume_equals_uninterrupted(case: str, tmp_path: Path) -> None:
+    settings, precision = CASES[case]
+    expected = train(tmp_path / "straight", 6, settings, precision)
+    train(tmp_path / "split", 4, settings, precision)
+    resume = latest_checkpoint(tmp_path / "split" / "ckpts")
+    assert resume is not None and resume.name.endswith("step=4.ckpt")
+    got = train(tmp_path / "split", 6, settings, precision, resume=resume)
+    assert all(torch.equal(got[name], expected[name]) for name in expected)
+
+
+def test_resume_refuses_a_damaged_checkpoint_before_loading_anything(tmp_path: Path) -> None:
+    settings, precision = CASES["host-fp16-loss-scaling"]
+    train(tmp_path / "first", 2, settings, precision)
+    checkpoint = latest_checkpoint(tmp_path / "first" / "ckpts")
+    assert checkpoint is not None
+    victim = next((checkpoint / "offload").rglob("exp_avg/sg000002"))
+    victim.write_bytes(b"\0" * victim.stat().st_size)
+    with pytest.raises(CheckpointCorruptError, match="exp_avg/sg000002: contents altered"):
+        train(tmp_path / "second", 4, settings, precision, resume=checkpoint)
