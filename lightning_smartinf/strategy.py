@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import logging
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -273,14 +274,21 @@ class SmartInfinityStrategy(Strategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Verify every file of the checkpoint against its manifest, then read the trainer state; the engine state
         follows in ``load_model_state_dict``."""
+        started = time.perf_counter()
         manifest = verify_checkpoint(Path(checkpoint_path))
+        log.info(
+            "smart_infinity: verified %d files, %s, of %s in %.2f s", len(manifest.files),
+            human_bytes(manifest.nbytes), manifest.path, time.perf_counter() - started,
+        )  # fmt: skip
         self._resume_from = manifest
         return torch.load(manifest.path / TRAINER_STATE, weights_only=False)  # type: ignore[no-any-return]
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         assert self.engine is not None and self._resume_from is not None and self.lightning_module is not None
+        started = time.perf_counter()
         load_engine_state(self.engine, self._resume_from, ENGINE_STATE)
+        log.info("smart_infinity: restored the offloaded state in %.2f s", time.perf_counter() - started)
         self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=False)
 
     def close(self) -> None:

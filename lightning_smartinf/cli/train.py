@@ -41,7 +41,10 @@ def build_trainer(cfg: TrainConfig, out_dir: Path) -> tuple[pl.Trainer, SmartInf
     t = cfg.trainer
     callbacks: list[pl.Callback] = [monitor]
     if t.checkpoint_every_n_steps:
-        callbacks.append(ModelCheckpoint(out_dir / "checkpoints", every_n_train_steps=t.checkpoint_every_n_steps))
+        every = t.checkpoint_every_n_steps
+        callbacks.append(ModelCheckpoint(out_dir / "checkpoints", "step{step}", every_n_train_steps=every,
+                                         auto_insert_metric_name=False))  # fmt: skip
+    callbacks.append(FinalCheckpoint(out_dir / "checkpoints"))
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator=t.accelerator,
@@ -60,6 +63,17 @@ def build_trainer(cfg: TrainConfig, out_dir: Path) -> tuple[pl.Trainer, SmartInf
         default_root_dir=out_dir,
     )
     return trainer, strategy, monitor
+
+
+class FinalCheckpoint(pl.Callback):
+    """Save ``stepN.ckpt`` as training ends, while the fit loop (and its data loader's position) is still alive, so
+    that resuming from it continues exactly where the run stopped."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.save_checkpoint(self.directory / f"step{trainer.global_step}.ckpt")
 
 
 def resume_path(resume: str | None) -> Path | None:
@@ -89,9 +103,8 @@ def run(cfg: TrainConfig, out_dir: Path) -> dict[str, object]:
                           d.num_workers, cfg.trainer.seed)  # fmt: skip
     trainer, strategy, monitor = build_trainer(cfg, out_dir)
     trainer.fit(module, datamodule=data, ckpt_path=resume_path(cfg.trainer.resume))
-    val = trainer.validate(module, datamodule=data, verbose=False)
     checkpoint = out_dir / "checkpoints" / f"step{trainer.global_step}.ckpt"
-    trainer.save_checkpoint(checkpoint)
+    val = trainer.validate(module, datamodule=data, verbose=False)
     metrics_csv = out_dir / "logs" / "metrics.csv"
     strategy.close()
     plot = plot_run(metrics_csv, out_dir / "curves.png", f"{cfg.recipe_name}: smart_infinity")

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import sysconfig
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import lightning.pytorch as pl
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".json", ".c", ".h", ".html", ".csv", ".yaml", ".yml", ".toml"}
 
@@ -73,6 +74,44 @@ class TokenWindows(Dataset[torch.Tensor]):
         return torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
 
 
+class ResumableLoader(DataLoader[torch.Tensor]):
+    """A sequential DataLoader that Lightning checkpoints mid-epoch (it calls ``state_dict``/``load_state_dict`` on
+    loaders that have them): a resumed run continues with the batch after the last one trained, not the epoch's
+    first, so resuming reproduces the data order of an uninterrupted run."""
+
+    def __init__(self, dataset: Dataset[torch.Tensor], batch_size: int, num_workers: int) -> None:
+        self._skip = 0  # batches to skip at the next __iter__ (set by load_state_dict)
+        self._start = 0  # where the current pass began
+        self._consumed = 0
+        super().__init__(dataset, batch_size=batch_size, num_workers=num_workers, sampler=_FromSampler(self))
+
+    def __iter__(self) -> Iterator[torch.Tensor]:  # type: ignore[override]
+        self._start, self._skip = self._skip, 0
+        self._consumed = self._start
+        for batch in super().__iter__():
+            self._consumed += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"batches_consumed": self._consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._skip = state["batches_consumed"]
+
+
+class _FromSampler(Sampler[int]):
+    """Indices in order, from the loader's resume point on."""
+
+    def __init__(self, loader: ResumableLoader) -> None:
+        self.loader = loader
+
+    def __len__(self) -> int:
+        return len(self.loader.dataset)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.loader._start * (self.loader.batch_size or 1), len(self)))
+
+
 class TextDataModule(pl.LightningDataModule):
     def __init__(
         self,
@@ -103,7 +142,8 @@ class TextDataModule(pl.LightningDataModule):
         return DataLoader(dataset, batch_size=self.batch_size, num_workers=self.num_workers)
 
     def train_dataloader(self) -> DataLoader[torch.Tensor]:
-        return self._loader(self.train)
+        assert self.train is not None, "call setup() first"
+        return ResumableLoader(self.train, self.batch_size, self.num_workers)
 
     def val_dataloader(self) -> DataLoader[torch.Tensor]:
         return self._loader(self.val)

@@ -11,13 +11,14 @@ a step boundary.
 from __future__ import annotations
 
 import io
-import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_smartinf.checkpoint.manifest import CheckpointWriter, Manifest
+from lightning_smartinf.checkpoint.files import copy_file
+from lightning_smartinf.checkpoint.manifest import COPY_THREADS, CheckpointWriter, Manifest
 from lightning_smartinf.update.smart import SmartUpdater
 
 if TYPE_CHECKING:
@@ -121,13 +122,16 @@ def load_engine_state(engine: OffloadEngine, manifest: Manifest, prefix: str) ->
         )
     engine.wait_step()
     root = manifest.path / prefix
+    copies = []
     for index, state_dir in enumerate(_state_dirs(engine)):
         for kind in _kinds(engine):
             (state_dir / kind).mkdir(parents=True, exist_ok=True)
             for sg in engine.layout.subgroups:
                 saved = root / f"state{index}" / kind / sg.key
                 if saved.is_file():
-                    shutil.copyfile(saved, state_dir / kind / sg.key)
+                    copies.append((saved, state_dir / kind / sg.key))
+    with ThreadPoolExecutor(max_workers=COPY_THREADS, thread_name_prefix="smartinf-restore") as pool:
+        list(pool.map(lambda pair: copy_file(pair[0], pair[1], replace=True), copies))
     compressor = _compressor(engine)
     if compressor is not None and compressor.has_state:
         compressor.load_state_dict(torch.load(root / RESIDUALS, weights_only=True))
