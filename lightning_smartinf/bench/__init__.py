@@ -1,0 +1,1 @@
+"""smartinf-bench: the systems compared and the worker that runs one of them."""

@@ -1,0 +1,144 @@
+"""One system of ``smartinf-bench`` in its own process: ``python -m lightning_smartinf.bench.worker SPEC OUT``.
+
+A fresh process per run keeps DeepSpeed's global state, the distributed group, the page cache pressure and the
+peak-memory reading of one system from leaking into another's. Every system is timed the same way: wall time
+between consecutive optimizer steps after the warm-up, and the disk's own byte counters (``/proc/diskstats``) over
+the same steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+import torch.nn.functional as F
+
+from lightning_smartinf.bench.systems import Workload, deepspeed_config, strategy_settings
+from lightning_smartinf.models.gpt import GPT, GPTConfig, GPTModule
+
+
+def disk_of(path: Path) -> str | None:
+    """The block device (as /proc/diskstats names it) holding ``path``, or None where it cannot be told."""
+    dev = os.stat(path).st_dev
+    sys_path = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    return sys_path.resolve().name if sys_path.exists() else None
+
+
+@dataclass
+class Sample:
+    time: float
+    read: int
+    written: int
+
+
+def sample(disk: str | None) -> Sample:
+    counters = psutil.disk_io_counters(perdisk=True).get(disk) if disk else None
+    return Sample(time.perf_counter(), counters.read_bytes if counters else 0, counters.write_bytes if counters else 0)
+
+
+def summarize(samples: list[Sample], warmup: int, w: Workload, extra: dict[str, Any]) -> dict[str, Any]:
+    timed = samples[warmup - 1 :] if warmup else samples
+    steps = len(timed) - 1
+    deltas = [b.time - a.time for a, b in zip(timed, timed[1:], strict=False)]
+    seconds = statistics.median(deltas)
+    return {
+        "seconds_per_step": seconds,
+        "step_seconds": deltas,
+        "tokens_per_s": w.tokens_per_step / seconds,
+        "disk_read_per_step": (timed[-1].read - timed[0].read) / steps,
+        "disk_write_per_step": (timed[-1].written - timed[0].written) / steps,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        **extra,
+    }
+
+
+def run_deepspeed(w: Workload, disk: str | None) -> dict[str, Any]:
+    import deepspeed
+
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531", "RANK": "0", "WORLD_SIZE": "1",
+                       "LOCAL_RANK": "0"}.items():  # fmt: skip
+        os.environ.setdefault(key, value)
+    deepspeed.init_distributed(dist_backend="gloo" if w.accelerator == "cpu" else "nccl")
+    config = deepspeed_config(w, w.nvme_path)
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = GPT(GPTConfig(**w.model))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    params = sum(p.ds_numel for p in model.parameters())  # type: ignore[attr-defined]
+    vocab = w.model["vocab_size"]
+    data = torch.randint(0, vocab, (w.micro_batch, w.seq_len + 1), device=engine.device)
+    samples = [sample(disk)]
+    for _ in range(w.warmup + w.steps):
+        for _ in range(w.micro_batches):
+            logits = engine(data[:, :-1])
+            loss = F.cross_entropy(logits.float().reshape(-1, vocab), data[:, 1:].reshape(-1))
+            engine.backward(loss)
+            engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
+        samples.append(sample(disk))
+    return summarize(samples, w.warmup, w, {"params": params, "host_link_per_step": None, "device_link_per_step": None})
+
+
+def run_smart_infinity(system: str, w: Workload, disk: str | None) -> dict[str, Any]:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from lightning_smartinf.strategy import SmartInfinityStrategy
+
+    class Stamps(pl.Callback):
+        def __init__(self) -> None:
+            self.samples = [sample(disk)]
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if not trainer.strategy.engine.micro_batches:  # type: ignore[attr-defined]
+                self.samples.append(sample(disk))
+
+    torch.manual_seed(0)
+    module = GPTModule(GPTConfig(**w.model), lr=1e-4)
+    settings = strategy_settings(system, w, w.nvme_path)
+    vertical = "schedule" in settings
+    batch = w.micro_batch * (w.micro_batches if vertical else 1)
+    steps = w.warmup + w.steps
+    data = torch.randint(0, w.model["vocab_size"], (w.micro_batch * w.micro_batches * steps, w.seq_len + 1))
+    strategy = SmartInfinityStrategy(**settings)
+    stamps = Stamps()
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator=w.accelerator, devices=1, precision=w.precision, max_steps=steps,  # type: ignore[arg-type]
+        accumulate_grad_batches=1 if vertical else w.micro_batches, gradient_clip_val=1.0, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        callbacks=[stamps],
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(data, batch_size=batch))  # type: ignore[arg-type]
+    engine = strategy.engine
+    assert engine is not None
+    engine.wait_step()
+    counters = engine.counters
+    device_links = sum(counters.total(link=link) for link in {k.link for k in counters.snapshot()} if link != "host")
+    extra = {
+        "params": engine.layout.num_params,
+        "host_link_per_step": counters.total(link="host") / steps,
+        "device_link_per_step": device_links / steps,
+    }
+    strategy.close()
+    return summarize(stamps.samples, w.warmup, w, extra)
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    system, w = spec["system"], Workload(**spec["workload"])
+    Path(w.nvme_path).mkdir(parents=True, exist_ok=True)
+    disk = disk_of(Path(w.nvme_path))
+    result = run_deepspeed(w, disk) if system == "a" else run_smart_infinity(system, w, disk)
+    Path(sys.argv[2]).write_text(json.dumps({"system": system, **result}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

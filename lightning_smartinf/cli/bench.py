@@ -1,0 +1,206 @@
+"""``smartinf-bench``: smart_infinity against the real DeepSpeed ZeRO-Infinity, same model, data, batch and disk.
+
+Runs each system in its own process, interleaved over ``--reps`` repetitions (a b c d e a b c d e ...), and writes
+a Markdown table, a PNG and the raw JSON, plus the exact DeepSpeed config it ran:
+
+    smartinf-bench --quick                     # GPT-125M shapes, under 10 minutes here
+    smartinf-bench --full --out docs/bench     # GPT-350M shapes
+    smartinf-bench --recipe gpt_760m --seq 512 --micro-batches 8 --systems a b c
+
+Systems: (a) DeepSpeed ZeRO-Infinity (ZeRO-3, params + optimizer on NVMe, DeepSpeedCPUAdam); (b) smart_infinity,
+horizontal, host update; (c) + vertical schedule and step overlap; (d) + SmartUpdate on ``--devices`` near-storage
+devices; (e) + SmartComp (top-k 1%, error feedback). See ``bench/systems.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+import psutil
+import torch
+from omegaconf import OmegaConf
+
+from lightning_smartinf.bench.systems import NAMES, SYSTEMS, Workload, deepspeed_config
+from lightning_smartinf.resources import asset_dir
+from lightning_smartinf.schedule.planner import Machine, measure_machine
+from lightning_smartinf.storage.io import make_backend
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+PRESETS = {
+    "quick": {"recipe": "gpt_125m", "seq": 256, "micro_batch": 1, "micro_batches": 4, "steps": 2, "reps": 1},
+    "full": {"recipe": "gpt_350m", "seq": 256, "micro_batch": 1, "micro_batches": 8, "steps": 3, "reps": 2},
+}
+
+
+def recipe_model(name: str, seq: int) -> dict[str, int]:
+    path = asset_dir("recipes") / f"{name}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in asset_dir("recipes").glob("*.yaml")))
+        raise SystemExit(f"--recipe={name!r} is not one of {known}")
+    model = dict(OmegaConf.to_container(OmegaConf.load(path))["model"])  # type: ignore[index, arg-type]
+    return {**model, "block_size": max(seq, int(model.get("block_size", seq)))}
+
+
+def run_one(system: str, w: Workload, work: Path, rep: int) -> dict[str, Any]:
+    state = Path(w.nvme_path) / f"bench_{system}"
+    shutil.rmtree(state, ignore_errors=True)
+    spec = work / f"{system}_{rep}.spec.json"
+    out = work / f"{system}_{rep}.json"
+    spec.write_text(json.dumps({"system": system, "workload": {**w.__dict__, "nvme_path": str(state)}}))
+    done = subprocess.run([sys.executable, "-m", "lightning_smartinf.bench.worker", str(spec), str(out)],
+                          capture_output=True, text=True)  # fmt: skip
+    shutil.rmtree(state, ignore_errors=True)
+    if done.returncode != 0:
+        raise SystemExit(f"system ({system}) {NAMES[system]} failed:\n{done.stderr[-4000:]}")
+    return dict(json.loads(out.read_text()))
+
+
+def roofline(system: str, r: dict[str, Any], w: Workload, m: Machine) -> float:
+    """max(compute, disk time): 6 FLOP/param/token for DeepSpeed, 8 for ours (the block forward is recomputed)."""
+    flops_per_token = 6 if system == "a" else 8
+    compute = flops_per_token * r["params"] * w.tokens_per_step / m.flops
+    disk = r["disk_read_per_step"] / m.disk_read + r["disk_write_per_step"] / m.disk_write
+    return max(compute, disk)
+
+
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = ("seconds_per_step", "disk_read_per_step", "disk_write_per_step", "peak_rss_bytes")
+    out = {k: statistics.median(r[k] for r in runs) for k in keys}
+    for k in ("host_link_per_step", "device_link_per_step"):
+        values = [r[k] for r in runs if r.get(k) is not None]
+        out[k] = statistics.median(values) if values else None
+    out["params"] = runs[0]["params"]
+    out["reps"] = [r["seconds_per_step"] for r in runs]
+    return out
+
+
+def describe_machine(m: Machine) -> str:
+    cpu = platform.processor() or platform.machine()
+    ram = psutil.virtual_memory().total / 2**30
+    return (f"{psutil.cpu_count()} CPU cores ({cpu}), {ram:.0f} GiB RAM, matmul {m.flops / 1e12:.2f} TFLOP/s measured; "
+            f"disk {m.disk_read / 1e9:.2f} GB/s read, {m.disk_write / 1e9:.2f} GB/s write (O_DIRECT, measured); "
+            f"torch {torch.__version__}")  # fmt: skip
+
+
+def report(results: dict[str, dict[str, Any]], w: Workload, m: Machine, args: argparse.Namespace) -> str:
+    base = results.get("a")
+    params = next(iter(results.values()))["params"]
+    lines = [
+        f"GPT {w.model['n_layer']}x{w.model['n_embd']} ({params / 1e6:.0f}M parameters), {w.precision}, global "
+        f"batch {w.micro_batches} x {w.micro_batch} x {w.seq_len} tokens, state on one disk; median of "
+        f"{args.reps} interleaved repetitions of {w.steps} timed steps after {w.warmup} warm-up.",
+        f"Machine: {describe_machine(m)}.",
+        f"Command: `smartinf-bench {' '.join(sys.argv[1:])}`",
+        "",
+        "| system | s/step | tokens/s | vs (a) | host link B/param | device links B/param | disk GB/step "
+        "(read+write) | peak host RSS GiB | roofline s | of roofline |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for system, r in results.items():
+        bound = roofline(system, r, w, m)
+        host = r["host_link_per_step"]
+        host = (r["disk_read_per_step"] + r["disk_write_per_step"]) if host is None else host
+        device = r["device_link_per_step"] or 0.0
+        ratio = f"{base['seconds_per_step'] / r['seconds_per_step']:.2f}x" if base else "-"
+        disk = (r["disk_read_per_step"] + r["disk_write_per_step"]) / 1e9
+        lines.append(
+            f"| ({system}) {NAMES[system]} | {r['seconds_per_step']:.2f} | {w.tokens_per_step / r['seconds_per_step']:.0f} "
+            f"| {ratio} | {host / params:.1f} | {device / params:.1f} | {disk:.2f} | {r['peak_rss_bytes'] / 2**30:.1f} "
+            f"| {bound:.2f} | {bound / r['seconds_per_step']:.0%} |"
+        )  # fmt: skip
+    lines += [
+        "",
+        "Host link for (a) is its disk traffic (all of it crosses host memory); for (b)-(e) it is the engine's byte "
+        "counters (payload). Roofline: max(compute, disk read / read bandwidth + disk write / write bandwidth) with "
+        "6 FLOP/param/token for (a) and 8 for ours (recomputed block forward).",
+    ]
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict[str, Any]], w: Workload, path: Path) -> None:
+    systems = list(results)
+    tokens = [w.tokens_per_step / results[s]["seconds_per_step"] for s in systems]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    bars = ax.bar([f"({s}) {NAMES[s]}" for s in systems], tokens, color=["#888", "#4c72b0", "#55a868", "#c44e52",
+                                                                         "#8172b2"][: len(systems)])  # fmt: skip
+    base = tokens[0] if systems[0] == "a" else None
+    for bar, value in zip(bars, tokens, strict=True):
+        label = f"{value:.0f}" + (f"\n{value / base:.2f}x" if base else "")
+        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom", fontsize=8)
+    params = next(iter(results.values()))["params"]
+    ax.set(ylabel="tokens/s", title=f"GPT {params / 1e6:.0f}M, {w.precision}, state on disk")
+    ax.tick_params(axis="x", labelrotation=15, labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="GPT-125M shapes (the default)")
+    size.add_argument("--full", action="store_true", help="GPT-350M shapes, two repetitions")
+    parser.add_argument("--recipe", help="a recipe name (recipes/*.yaml) for the model shape")
+    parser.add_argument("--layers", type=int, help="override the recipe's n_layer (smaller runs)")
+    parser.add_argument("--seq", type=int)
+    parser.add_argument("--micro-batch", type=int)
+    parser.add_argument("--micro-batches", type=int)
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--reps", type=int)
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--devices", type=int, default=2, help="near-storage devices for (d) and (e)")
+    parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--accelerator", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--nvme-path", default="smartinf_bench_state")
+    parser.add_argument("--out", default="smartinf_bench")
+    args = parser.parse_args(argv)
+    preset = PRESETS["full" if args.full else "quick"]
+    for key, value in preset.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    model = recipe_model(args.recipe, args.seq)
+    if args.layers:
+        model["n_layer"] = args.layers
+    nvme = Path(args.nvme_path).absolute()
+    nvme.mkdir(parents=True, exist_ok=True)
+    w = Workload(model, args.seq, args.micro_batch, args.micro_batches, args.precision, str(nvme), args.devices,
+                 args.warmup, args.steps, accelerator=args.accelerator)  # fmt: skip
+    out = Path(args.out)
+    work = out / "runs"
+    work.mkdir(parents=True, exist_ok=True)
+    backend = make_backend("auto", nvme, 4, 1, 1 << 20, 32)
+    device = torch.device(args.accelerator)
+    dtype = torch.bfloat16 if args.precision.startswith("bf16") else torch.float32
+    machine = measure_machine(device, nvme, backend, float("inf"), dtype, 0, 0)
+    backend.close()
+    (out / "deepspeed_config.json").write_text(json.dumps(deepspeed_config(w, str(nvme / "bench_a")), indent=2))
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in args.systems}
+    for rep in range(args.reps):
+        for system in args.systems:
+            result = run_one(system, w, work, rep)
+            runs[system].append(result)
+            print(f"rep {rep + 1}/{args.reps} ({system}) {NAMES[system]}: {result['seconds_per_step']:.2f} s/step",
+                  flush=True)  # fmt: skip
+    results = {s: aggregate(r) for s, r in runs.items()}
+    table = report(results, w, machine, args)
+    print(table)
+    (out / "benchmarks.md").write_text(table + "\n")
+    (out / "benchmarks.json").write_text(json.dumps({"args": vars(args), "results": results,
+                                                     "machine": machine.__dict__}, indent=2))  # fmt: skip
+    plot(results, w, out / "benchmarks.png")
+    print(f"wrote {out / 'benchmarks.md'}, {out / 'benchmarks.png'}, {out / 'deepspeed_config.json'}")
+
+
+if __name__ == "__main__":
+    main()
