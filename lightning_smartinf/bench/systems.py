@@ -26,7 +26,7 @@ NAMES = {
 class Workload:
     """What every system trains: the same model, tokens, global batch and precision, state on the same disk."""
 
-    model: dict[str, int]
+    model: dict[str, Any]
     seq_len: int
     micro_batch: int
     micro_batches: int

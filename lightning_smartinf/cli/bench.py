@@ -43,12 +43,13 @@ PRESETS = {
 }
 
 
-def recipe_model(name: str, seq: int) -> dict[str, int]:
+def recipe_model(name: str, seq: int) -> dict[str, Any]:
     path = asset_dir("recipes") / f"{name}.yaml"
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in asset_dir("recipes").glob("*.yaml")))
         raise SystemExit(f"--recipe={name!r} is not one of {known}")
-    model = dict(OmegaConf.to_container(OmegaConf.load(path))["model"])  # type: ignore[index, arg-type]
+    recipe: Any = OmegaConf.to_container(OmegaConf.load(path))
+    model = dict(recipe["model"])
     return {**model, "block_size": max(seq, int(model.get("block_size", seq)))}
 
 
@@ -114,8 +115,9 @@ def report(results: dict[str, dict[str, Any]], w: Workload, m: Machine, args: ar
         device = r["device_link_per_step"] or 0.0
         ratio = f"{base['seconds_per_step'] / r['seconds_per_step']:.2f}x" if base else "-"
         disk = (r["disk_read_per_step"] + r["disk_write_per_step"]) / 1e9
+        tokens = w.tokens_per_step / r["seconds_per_step"]
         lines.append(
-            f"| ({system}) {NAMES[system]} | {r['seconds_per_step']:.2f} | {w.tokens_per_step / r['seconds_per_step']:.0f} "
+            f"| ({system}) {NAMES[system]} | {r['seconds_per_step']:.2f} | {tokens:.0f} "
             f"| {ratio} | {host / params:.1f} | {device / params:.1f} | {disk:.2f} | {r['peak_rss_bytes'] / 2**30:.1f} "
             f"| {bound:.2f} | {bound / r['seconds_per_step']:.0%} |"
         )  # fmt: skip

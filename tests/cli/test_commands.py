@@ -43,3 +43,14 @@ def test_schedule_bench_small(tmp_path: Path) -> None:
                      "--modes", "vertical + overlap + eager", "--out", str(tmp_path / "out"),
                      "--nvme-path", str(tmp_path / "state"), cwd=tmp_path)  # fmt: skip
     assert "| 2 | vertical + overlap + eager |" in out and (tmp_path / "out" / "schedule_bench.png").is_file()
+
+
+def test_bench_against_deepspeed_small(tmp_path: Path) -> None:
+    """The real DeepSpeed ZeRO-3 NVMe engine and two of ours on a tiny GPT: the table, plot and config appear."""
+    out = run_module("lightning_smartinf.cli.bench", "--recipe", "gpt_tiny", "--layers", "2", "--seq", "32",
+                     "--micro-batches", "2", "--steps", "1", "--systems", "a", "b", "c", "--out", str(tmp_path / "out"),
+                     "--nvme-path", str(tmp_path / "state"), cwd=tmp_path)  # fmt: skip
+    assert "| (a) DeepSpeed ZeRO-Infinity |" in out and "| (c) + vertical + overlap |" in out
+    config = (tmp_path / "out" / "deepspeed_config.json").read_text()
+    assert '"intra_op_parallelism": 2' in config and '"device": "nvme"' in config
+    assert (tmp_path / "out" / "benchmarks.png").stat().st_size > 10_000
