@@ -1,7 +1,8 @@
 """The systems ``smartinf-bench`` compares, and the DeepSpeed ZeRO-Infinity configuration it runs as the baseline.
 
 (a) DeepSpeed ZeRO-Infinity: the real engine, ZeRO-3, parameters and optimizer state on NVMe, DeepSpeedCPUAdam.
-(b) smart_infinity, horizontal schedule, host update: the same data flow as (a), our engine.
+(b) smart_infinity, horizontal schedule, host update: the same data flow as (a), our engine (gradients in host
+    memory like DeepSpeed's; params and optimizer state on disk).
 (c) + vertical schedule and optimizer-step overlap (GreedySnake).
 (d) + SmartUpdate on k near-storage devices (Smart-Infinity).
 (e) + SmartComp, top-k 1% with error feedback.
@@ -47,8 +48,10 @@ class Workload:
 def deepspeed_config(w: Workload, nvme_path: str) -> dict[str, Any]:
     """ZeRO-3 with params and optimizer on NVMe, tuned as DeepSpeed's docs advise rather than left at defaults:
     aio ``intra_op_parallelism`` (the old ``thread_count`` key is ignored by current DeepSpeed), 1 MiB blocks,
-    queue depth 32, overlapped events; parameter buffers sized to hold the largest layer with 5 in flight;
-    optimizer state swapped in 4 buffers of one sub-group each; prefetch of a layer's worth of parameters."""
+    queue depth 32, overlapped events. Each swapped parameter tensor takes a whole buffer, so the buffers are sized
+    to the largest tensor (the embedding) and counted to hold two blocks' four weight matrices plus the embedding
+    in flight (DeepSpeed's default of 5 fails with "Not enough buffers" once prefetch runs ahead); optimizer state
+    swapped in 4 buffers of one sub-group each; prefetch of a block's worth of parameters."""
     n_embd = w.model["n_embd"]
     largest = max(w.model["vocab_size"] * n_embd, 4 * n_embd * n_embd)
     bf16 = w.precision.startswith("bf16")
@@ -62,7 +65,7 @@ def deepspeed_config(w: Workload, nvme_path: str) -> dict[str, Any]:
             "stage": 3,
             "offload_param": {
                 "device": "nvme", "nvme_path": nvme_path, "pin_memory": w.accelerator != "cpu",
-                "buffer_count": 5, "buffer_size": int(largest * 1.1), "max_in_cpu": 0,
+                "buffer_count": 12, "buffer_size": largest, "max_in_cpu": 0,
             },
             "offload_optimizer": {
                 "device": "nvme", "nvme_path": nvme_path, "pin_memory": w.accelerator != "cpu", "buffer_count": 4,
@@ -87,8 +90,8 @@ def deepspeed_config(w: Workload, nvme_path: str) -> dict[str, Any]:
 
 def strategy_settings(system: str, w: Workload, nvme_path: str) -> dict[str, Any]:
     """The SmartInfinityStrategy keywords of systems (b)-(e)."""
-    settings: dict[str, Any] = {
-        "offload": {"nvme_path": nvme_path, "subgroup_size": w.subgroup_size},
+    settings: dict[str, Any] = {  # fp32 gradients accumulate in host memory, as DeepSpeed's do
+        "offload": {"nvme_path": nvme_path, "subgroup_size": w.subgroup_size, "grads": "cpu"},
         "update": {"backend": "host"},
     }
     if system in ("c", "d", "e"):
@@ -96,6 +99,5 @@ def strategy_settings(system: str, w: Workload, nvme_path: str) -> dict[str, Any
     if system in ("d", "e"):
         settings["update"] = {"backend": "smart", "devices": w.devices}
     if system == "e":
-        settings["offload"]["grads"] = "cpu"
         settings["compression"] = {"kind": "topk", "keep": 0.01, "error_feedback": True}
     return settings
