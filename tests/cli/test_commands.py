@@ -54,3 +54,11 @@ def test_bench_against_deepspeed_small(tmp_path: Path) -> None:
     config = (tmp_path / "out" / "deepspeed_config.json").read_text()
     assert '"intra_op_parallelism": 2' in config and '"device": "nvme"' in config
     assert (tmp_path / "out" / "benchmarks.png").stat().st_size > 10_000
+
+
+def test_plan_for_a_described_machine(tmp_path: Path) -> None:
+    out = run_module("lightning_smartinf.cli.plan", "--recipe", "gpt_2_7b", "--hardware", "smart_infinity_a100",
+                     "--seq", "1024", "--micro-batch", "16", "--micro-batches", "1", "--sweep-devices", "4",
+                     "--plot", str(tmp_path / "sweep.png"), cwd=tmp_path)  # fmt: skip
+    assert "| (d) + SmartUpdate |" in out and "recommended:" in out and "storage (per device)" in out
+    assert (tmp_path / "sweep.png").is_file()

@@ -1,0 +1,159 @@
+"""A performance model of systems (a)-(e) on any hardware: what ``smartinf-plan`` prints and docs/ validates.
+
+Per iteration of P parameters (P_s of them streamed), T tokens in M micro-batches, mixed-precision Adam:
+
+    storage      R = min(ssds x read, host link),  W = min(ssds x write, host link)   (RAID-0 behind one link)
+    compute      c x P x T / (gpus x FLOP/s)        c = 6, or 8 where the block forward is recomputed
+    params       2 B x P_s read in forward and in backward: x M (horizontal) or x 1 (vertical)
+    host step    12 B/param read, 12 + 2 B/param written (master, m, v; new 16-bit params), CPU Adam alongside
+    smart step   8 B/param over the host link (fp32 gradient out, fp32 parameter back; SmartComp: ~0.06 + 4),
+                 16 B read + 12 B written per param inside each device, P / k params per device
+    iteration    (a):        compute + params + step                           (ZeRO-Infinity: phases in turn)
+                 (b):        max(compute, params) + step                       (prefetch hides one of the two)
+                 (c)-(e):    max(disk total, max(compute, params) + step - hidden)
+                             hidden = min(step, forward) : the step overlaps the next forward (overlap = 1)
+
+The storage devices are shared: under (c)-(e) all disk traffic of an iteration must also fit in it. The model has
+no fudge factors; docs/benchmarks.md compares it with smartinf-bench on this machine and says where it errs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from lightning_smartinf.bench.systems import NAMES
+
+GB = 1e9
+
+
+@dataclass
+class Hardware:
+    """A machine, measured (``--measure``) or described. Bandwidths in GB/s, rates in G params/s."""
+
+    name: str = "described"
+    gpus: int = 1
+    tflops: float = 100.0
+    """Sustained training FLOP/s per GPU (or the CPU's matmul rate), in TFLOP/s."""
+    gpu_memory_gb: float = 80.0
+    host_memory_gb: float = 512.0
+    ssds: int = 1
+    ssd_read: float = 3.0
+    ssd_write: float = 2.0
+    host_link: float = 16.0
+    """The one link all storage traffic to host memory crosses (a PCIe switch's upstream port)."""
+    host_update: float = 1.0
+    """CPU Adam throughput."""
+    devices: int = 0
+    """Near-storage devices (computational SSDs), each with its own SSD."""
+    device_internal: float = 3.0
+    """Each device's SSD <-> accelerator bandwidth."""
+    device_update: float = 1.0
+    """Each device's Adam throughput."""
+    shared_disk: bool = False
+    """The devices' state lives on the same SSDs as everything else (this machine's PoCL devices)."""
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Hardware:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown hardware keys {unknown}; valid: {', '.join(sorted(known))}")
+        return cls(**values)
+
+
+@dataclass
+class Job:
+    params: float
+    streamed: float
+    tokens: float
+    micro_batches: int
+    hidden_bytes_per_token: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Prediction:
+    system: str
+    seconds: float
+    parts: dict[str, float]
+    bottleneck: str
+    host_link_bytes: float
+    disk_bytes: float
+
+
+def predict(system: str, job: Job, hw: Hardware, keep: float = 0.01, vertical: bool | None = None) -> Prediction:
+    """``vertical`` overrides the system's schedule (Smart-Infinity's own runs are horizontal)."""
+    p, t, m = job.params, job.tokens, job.micro_batches
+    read = min(hw.ssds * hw.ssd_read, hw.host_link) * GB
+    write = min(hw.ssds * hw.ssd_write, hw.host_link) * GB
+    flops = hw.gpus * hw.tflops * 1e12
+    compute = (6 if system == "a" else 8) * p * t / flops
+    vertical = system in ("c", "d", "e") if vertical is None else vertical
+    param_bytes = 2 * 2 * job.streamed * (1 if vertical else m)
+    params_io = param_bytes / read
+    if system in ("a", "b", "c"):
+        step_read, step_write = 12 * p, 14 * p
+        step = max(step_read / read + step_write / write, p / (hw.host_update * 1e9))
+        host_link = param_bytes + step_read + step_write
+        disk_read, disk_write = param_bytes + step_read, step_write
+        parts = {"compute": compute, "params_io": params_io, "step_io": step_read / read + step_write / write,
+                 "host_update": p / (hw.host_update * 1e9)}  # fmt: skip
+    else:
+        grads = (keep * (4 + 2) if system == "e" else 4) * p
+        wire = grads + 4 * p  # gradients out, fp32 parameters back
+        k = max(hw.devices, 1)
+        internal = 28 * p / k / (hw.device_internal * GB)
+        if hw.shared_disk:  # the devices' "internal" traffic is the same disk's
+            internal = 16 * p / read + 12 * p / write
+        update = p / k / (hw.device_update * 1e9)
+        params_write = 2 * p / write
+        step = max(wire / (hw.host_link * GB), internal, update) + params_write
+        host_link = param_bytes + wire + 2 * p
+        disk_read = param_bytes + (16 * p if hw.shared_disk else 0)
+        disk_write = 2 * p + (12 * p if hw.shared_disk else 0)
+        parts = {"compute": compute, "params_io": params_io, "host_link": wire / (hw.host_link * GB),
+                 "device_internal": internal, "device_update": update, "params_write": params_write}  # fmt: skip
+    if vertical:
+        forward = compute / 4
+        hidden = min(step, forward)
+        disk_total = disk_read / read + disk_write / write
+        seconds = max(disk_total, max(compute, params_io) + step - hidden)
+        parts["step_hidden"] = hidden
+    elif system == "a":  # ZeRO-Infinity sits near the sum of its phases (docs/benchmarks.md)
+        seconds = compute + params_io + step
+    else:
+        seconds = max(compute, params_io) + step
+    bottleneck = max((v, k) for k, v in parts.items() if k != "step_hidden")[1]
+    return Prediction(system, seconds, parts, bottleneck, host_link, disk_read + disk_write)
+
+
+def memory_needs(job: Job, hw: Hardware, system: str) -> dict[str, float]:
+    """Bytes per tier: device (resident copy of the largest block, twice, plus checkpoints), host (fp32 gradients,
+    buffers), storage (16-bit params + 12 B/param of state, in the devices' SSDs for (d)/(e))."""
+    p = job.params
+    largest_block = (p - job.streamed) + job.streamed / 10
+    checkpoints = job.hidden_bytes_per_token * job.tokens
+    needs = {
+        "device": 2 * 2 * largest_block + checkpoints,
+        "host": 4 * p + 4 * 2 * largest_block * 4,
+        "storage (host SSDs)": 2 * p + (12 * p if system in ("a", "b", "c") else 0),
+    }
+    if system in ("d", "e"):
+        needs["storage (per device)"] = 12 * p / max(hw.devices, 1)
+    return needs
+
+
+def describe(predictions: list[Prediction], job: Job) -> str:
+    base = next((x for x in predictions if x.system == "a"), None)
+    lines = [
+        "| system | predicted s/iteration | tokens/s | vs (a) | bottleneck | host link B/param | disk GB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for x in predictions:
+        ratio = f"{base.seconds / x.seconds:.2f}x" if base else "-"
+        lines.append(
+            f"| ({x.system}) {NAMES[x.system]} | {x.seconds:.2f} | {job.tokens / x.seconds:,.0f} | {ratio} | "
+            f"{x.bottleneck} | {x.host_link_bytes / job.params:.1f} | {x.disk_bytes / GB:.1f} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,173 @@
+"""``smartinf-plan``: memory, disk and predicted iteration time of systems (a)-(e) for a recipe on any hardware.
+
+    smartinf-plan --recipe gpt_350m --measure                        # this machine, measured by short probes
+    smartinf-plan --recipe gpt_65b --hardware greedysnake_a100       # a described machine (conf/hardware/*.yaml)
+    smartinf-plan --recipe gpt_2_7b --hardware smart_infinity_a100 --set devices=4 ssds=4
+    smartinf-plan --measure --compare smartinf_bench/benchmarks.json # predicted against smartinf-bench's measures
+    smartinf-plan --hardware smart_infinity_a100 --sweep-devices 10 --plot devices.png
+
+The model and its assumptions: ``lightning_smartinf/bench/model.py``; validation and the papers: docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+import psutil
+import torch
+from omegaconf import OmegaConf
+
+from lightning_smartinf.bench.model import GB, Hardware, Job, describe, memory_needs, predict
+from lightning_smartinf.bench.systems import NAMES, SYSTEMS
+from lightning_smartinf.cli.bench import recipe_model
+from lightning_smartinf.resources import asset_dir
+from lightning_smartinf.schedule.planner import measure_machine
+from lightning_smartinf.storage.io import make_backend
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def job_of(model: dict[str, Any], seq: int, micro_batch: int, micro_batches: int) -> Job:
+    d, layers, vocab = model["n_embd"], model["n_layer"], model["vocab_size"]
+    block = 12 * d * d + 13 * d  # attention (4 d^2) + MLP (8 d^2) + biases and norms
+    resident = vocab * d + model.get("block_size", seq) * d + 2 * d
+    tokens = seq * micro_batch * micro_batches
+    return Job(layers * block + resident, layers * block, tokens, micro_batches, 2 * d * (layers + 1))
+
+
+def hardware_preset(name: str) -> Hardware:
+    path = Path(name) if Path(name).is_file() else asset_dir("conf") / "hardware" / f"{name}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in (asset_dir("conf") / "hardware").glob("*.yaml")))
+        raise SystemExit(f"--hardware={name!r} is neither a file nor one of: {known}")
+    values: Any = OmegaConf.to_container(OmegaConf.load(path))
+    return Hardware.from_dict({"name": path.stem, **values})
+
+
+def _rate(run: Any, n: int) -> float:
+    run(1)
+    times = []
+    for step in range(2, 6):
+        start = time.perf_counter()
+        run(step)
+        times.append(time.perf_counter() - start)
+    return n / statistics.median(times) / 1e9
+
+
+def measure(nvme_path: Path, devices: int) -> Hardware:
+    """This machine by short probes: matmul FLOP/s, O_DIRECT disk bandwidth, CPU Adam (DeepSpeed's op where it
+    builds) and one OpenCL device's Adam throughput; the PoCL devices share the disk."""
+    from lightning_smartinf.cli.kernel_bench import deepspeed_adam, opencl_adam
+
+    nvme_path.mkdir(parents=True, exist_ok=True)
+    backend = make_backend("auto", nvme_path, 4, 1, 1 << 20, 32)
+    m = measure_machine(torch.device("cpu"), nvme_path, backend, float("inf"), torch.bfloat16, 0, 0)
+    backend.close()
+    n = 1 << 22
+    try:
+        host_update = _rate(deepspeed_adam(n), n)
+    except Exception:  # noqa: BLE001 - no DeepSpeed op: torch's Adam is what the engine would use
+        host_update = 0.2
+    try:
+        device_update = _rate(opencl_adam(n, "Portable Computing Language"), n)
+    except Exception:  # noqa: BLE001 - no OpenCL here: SmartUpdate cannot run, say so with a zero rate
+        device_update = 0.0
+    ram = psutil.virtual_memory().total / GB
+    return Hardware("this machine (measured)", 1, m.flops / 1e12, ram, ram, 1, m.disk_read / GB, m.disk_write / GB,
+                    host_link=50.0, host_update=host_update, devices=devices, device_internal=m.disk_read / GB,
+                    device_update=device_update, shared_disk=True)  # fmt: skip
+
+
+def compare(bench_json: Path, job: Job, hw: Hardware) -> str:
+    """Predicted against measured seconds per step, per system in a smartinf-bench result."""
+    bench = json.loads(bench_json.read_text())
+    lines = ["| system | measured s | predicted s | error |", "|---|---|---|---|"]
+    for system, r in bench["results"].items():
+        job.params = r["params"]
+        got = predict(system, job, hw).seconds
+        lines.append(f"| ({system}) {NAMES[system]} | {r['seconds_per_step']:.2f} | {got:.2f} | "
+                     f"{(got - r['seconds_per_step']) / r['seconds_per_step']:+.0%} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def sweep_devices(job: Job, hw: Hardware, most: int, plot: Path | None) -> str:
+    """Smart-Infinity's Figure: SmartUpdate's speedup over ZeRO-Infinity as devices (and SSDs) are added."""
+    lines = ["| devices = SSDs | (a) s | SmartUpdate s | speedup | + SmartComp speedup |", "|---|---|---|---|---|"]
+    xs, ups, comps = [], [], []
+    for k in range(1, most + 1):
+        each = Hardware(**{**hw.__dict__, "devices": k, "ssds": k})
+        base = predict("a", job, each).seconds
+        smart = predict("d", job, each, vertical=False).seconds
+        comp = predict("e", job, each, vertical=False).seconds
+        xs.append(k)
+        ups.append(base / smart)
+        comps.append(base / comp)
+        lines.append(f"| {k} | {base:.2f} | {smart:.2f} | {base / smart:.2f}x | {base / comp:.2f}x |")
+    if plot is not None:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot(xs, ups, "o-", label="SmartUpdate")
+        ax.plot(xs, comps, "s-", label="SmartUpdate + SmartComp")
+        ax.axhline(1.0, color="#888", lw=0.8)
+        ax.set(xlabel="computational SSDs (ZeRO-Infinity: same SSDs, RAID-0)", ylabel="speedup over ZeRO-Infinity",
+               title=f"predicted, {hw.name}")  # fmt: skip
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(plot, dpi=100)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="gpt_125m")
+    parser.add_argument("--layers", type=int)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--micro-batches", type=int, default=4)
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--hardware", help="a preset in conf/hardware/ or a YAML file of Hardware fields")
+    source.add_argument("--measure", action="store_true", help="probe this machine")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override hardware fields")
+    parser.add_argument("--devices", type=int, default=2, help="near-storage devices with --measure")
+    parser.add_argument("--nvme-path", default="smartinf_plan_probe")
+    parser.add_argument("--compare", type=Path, help="a smartinf-bench benchmarks.json to compare against")
+    parser.add_argument("--sweep-devices", type=int, help="predict SmartUpdate's speedup for 1..N devices")
+    parser.add_argument("--plot", type=Path)
+    args = parser.parse_args(argv)
+    model = recipe_model(args.recipe, args.seq)
+    if args.layers:
+        model["n_layer"] = args.layers
+    job = job_of(model, args.seq, args.micro_batch, args.micro_batches)
+    if not (args.measure or args.hardware):
+        parser.error("give --hardware NAME (conf/hardware/) or --measure")
+    hw = measure(Path(args.nvme_path), args.devices) if args.measure else hardware_preset(args.hardware)
+    overrides = dict(item.split("=", 1) for item in args.set)
+    if overrides:
+        typed = {k: type(getattr(hw, k))(v) if k in hw.__dict__ else v for k, v in overrides.items()}
+        hw = Hardware.from_dict({**hw.__dict__, **typed})
+    print(f"{args.recipe}: {job.params / 1e9:.2f} B parameters, {job.tokens:,.0f} tokens per iteration in "
+          f"{job.micro_batches} micro-batches, on {hw.name}:")  # fmt: skip
+    print("  " + ", ".join(f"{k}={v}" for k, v in hw.__dict__.items() if k != "name"))
+    systems = [s for s in SYSTEMS if hw.devices > 0 and hw.device_update > 0 or s in ("a", "b", "c")]
+    predictions = [predict(s, job, hw) for s in systems]
+    print(describe(predictions, job))
+    best = min(predictions, key=lambda x: x.seconds)
+    print(f"\nrecommended: ({best.system}) {NAMES[best.system]} ({best.seconds:.2f} s/iteration, bound by "
+          f"{best.bottleneck})")  # fmt: skip
+    print("memory and disk needed per tier:")
+    for tier, nbytes in memory_needs(job, hw, best.system).items():
+        print(f"  {tier}: {nbytes / GB:.1f} GB")
+    if args.compare:
+        print("\n" + compare(args.compare, job, hw))
+    if args.sweep_devices:
+        print("\n" + sweep_devices(job, hw, args.sweep_devices, args.plot))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""The performance model behind smartinf-plan: the papers' mechanisms show up in its predictions."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_smartinf.bench.model import Hardware, predict
+from lightning_smartinf.cli.bench import recipe_model
+from lightning_smartinf.cli.plan import hardware_preset, job_of
+
+
+def job(micro_batches: int = 8):  # noqa: ANN201
+    return job_of(recipe_model("gpt_1_3b", 1024), 1024, 1, micro_batches)
+
+
+def test_zero_infinity_saturates_at_the_host_link_while_smart_update_keeps_scaling() -> None:
+    hw = hardware_preset("smart_infinity_a100")
+    base = [predict("a", job(1), Hardware(**{**hw.__dict__, "ssds": k, "devices": k})).seconds for k in (6, 8, 10)]
+    smart = [predict("d", job(1), Hardware(**{**hw.__dict__, "ssds": k, "devices": k}), vertical=False).seconds
+             for k in (6, 8, 10)]  # fmt: skip
+    assert base[0] == pytest.approx(base[2])  # 6 SSDs already fill the 12 GB/s link
+    assert smart[0] > smart[1] > smart[2]
+
+
+def test_vertical_reads_parameters_once_per_iteration() -> None:
+    hw = hardware_preset("greedysnake_a100")
+    horizontal = [predict("b", job(m), hw).parts["params_io"] for m in (1, 4)]
+    vertical = [predict("c", job(m), hw).parts["params_io"] for m in (1, 4)]
+    assert horizontal[1] == pytest.approx(4 * horizontal[0]) and vertical[0] == pytest.approx(vertical[1])
+    assert predict("c", job(8), hw).seconds < predict("a", job(8), hw).seconds
+
+
+def test_unknown_hardware_key_is_named() -> None:
+    with pytest.raises(ValueError, match=r"unknown hardware keys \['ssd_count'\]"):
+        Hardware.from_dict({"ssd_count": 4})
