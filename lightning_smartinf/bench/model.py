@@ -52,6 +52,9 @@ class Hardware:
     """Each device's Adam throughput."""
     shared_disk: bool = False
     """The devices' state lives on the same SSDs as everything else (this machine's PoCL devices)."""
+    ssd_mixed: float = 0.0
+    """Total GB/s per SSD as training sustains it, reads and writes together (``--measure`` runs the engine to get
+    it); 0: read time + write time at the rated bandwidths."""
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Hardware:
@@ -87,37 +90,43 @@ def predict(system: str, job: Job, hw: Hardware, keep: float = 0.01, vertical: b
     p, t, m = job.params, job.tokens, job.micro_batches
     read = min(hw.ssds * hw.ssd_read, hw.host_link) * GB
     write = min(hw.ssds * hw.ssd_write, hw.host_link) * GB
+    mixed = min(hw.ssds * hw.ssd_mixed, hw.host_link) * GB
+
+    def disk_time(r: float, w: float) -> float:
+        return (r + w) / mixed if mixed else r / read + w / write
+
     flops = hw.gpus * hw.tflops * 1e12
     compute = (6 if system == "a" else 8) * p * t / flops
     vertical = system in ("c", "d", "e") if vertical is None else vertical
-    param_bytes = 2 * 2 * job.streamed * (1 if vertical else m)
+    streamed = job.params if system == "a" else job.streamed  # ZeRO-3 swaps the embeddings too
+    param_bytes = 2 * 2 * streamed * (1 if vertical else m)
     params_io = param_bytes / read
     if system in ("a", "b", "c"):
         step_read, step_write = 12 * p, 14 * p
-        step = max(step_read / read + step_write / write, p / (hw.host_update * 1e9))
+        step = max(disk_time(step_read, step_write), p / (hw.host_update * 1e9))
         host_link = param_bytes + step_read + step_write
         disk_read, disk_write = param_bytes + step_read, step_write
-        parts = {"compute": compute, "params_io": params_io, "step_io": step_read / read + step_write / write,
+        parts = {"compute": compute, "params_io": params_io, "step_io": disk_time(step_read, step_write),
                  "host_update": p / (hw.host_update * 1e9)}  # fmt: skip
     else:
         grads = (keep * (4 + 2) if system == "e" else 4) * p
         wire = grads + 4 * p  # gradients out, fp32 parameters back
         k = max(hw.devices, 1)
         internal = 28 * p / k / (hw.device_internal * GB)
-        if hw.shared_disk:  # the devices' "internal" traffic is the same disk's
-            internal = 16 * p / read + 12 * p / write
+        if hw.shared_disk:  # the devices' "internal" traffic (state; gradients come from host memory) is the disk's
+            internal = disk_time(12 * p, 12 * p)
         update = p / k / (hw.device_update * 1e9)
         params_write = 2 * p / write
         step = max(wire / (hw.host_link * GB), internal, update) + params_write
         host_link = param_bytes + wire + 2 * p
-        disk_read = param_bytes + (16 * p if hw.shared_disk else 0)
+        disk_read = param_bytes + (12 * p if hw.shared_disk else 0)
         disk_write = 2 * p + (12 * p if hw.shared_disk else 0)
         parts = {"compute": compute, "params_io": params_io, "host_link": wire / (hw.host_link * GB),
                  "device_internal": internal, "device_update": update, "params_write": params_write}  # fmt: skip
     if vertical:
         forward = compute / 4
         hidden = min(step, forward)
-        disk_total = disk_read / read + disk_write / write
+        disk_total = disk_time(disk_read, disk_write)
         seconds = max(disk_total, max(compute, params_io) + step - hidden)
         parts["step_hidden"] = hidden
     elif system == "a":  # ZeRO-Infinity sits near the sum of its phases (docs/benchmarks.md)

@@ -46,7 +46,7 @@ def sample(disk: str | None) -> Sample:
 
 
 def summarize(samples: list[Sample], warmup: int, w: Workload, extra: dict[str, Any]) -> dict[str, Any]:
-    timed = samples[warmup - 1 :] if warmup else samples
+    timed = samples[warmup:]  # samples[0] is taken before the first step
     steps = len(timed) - 1
     deltas = [b.time - a.time for a, b in zip(timed, timed[1:], strict=False)]
     seconds = statistics.median(deltas)
