@@ -52,6 +52,9 @@ class Hardware:
     """Each device's Adam throughput."""
     shared_disk: bool = False
     """The devices' state lives on the same SSDs as everything else (this machine's PoCL devices)."""
+    compute_io_overlap: bool = True
+    """Compute runs beside the I/O (a GPU computes while the CPU drives the disks); False on a CPU-only machine,
+    where the cores that compute are the ones that copy, hash and submit the I/O."""
     ssd_mixed: float = 0.0
     """Total GB/s per SSD as training sustains it, reads and writes together (``--measure`` runs the engine to get
     it); 0: read time + write time at the rated bandwidths."""
@@ -100,7 +103,7 @@ def predict(system: str, job: Job, hw: Hardware, keep: float = 0.01, vertical: b
     vertical = system in ("c", "d", "e") if vertical is None else vertical
     streamed = job.params if system == "a" else job.streamed  # ZeRO-3 swaps the embeddings too
     param_bytes = 2 * 2 * streamed * (1 if vertical else m)
-    params_io = param_bytes / read
+    params_io = disk_time(param_bytes, 0.0)
     if system in ("a", "b", "c"):
         step_read, step_write = 12 * p, 14 * p
         step = max(disk_time(step_read, step_write), p / (hw.host_update * 1e9))
@@ -123,16 +126,16 @@ def predict(system: str, job: Job, hw: Hardware, keep: float = 0.01, vertical: b
         disk_write = 2 * p + (12 * p if hw.shared_disk else 0)
         parts = {"compute": compute, "params_io": params_io, "host_link": wire / (hw.host_link * GB),
                  "device_internal": internal, "device_update": update, "params_write": params_write}  # fmt: skip
+    forward_backward = max(compute, params_io) if hw.compute_io_overlap else compute + params_io
     if vertical:
-        forward = compute / 4
-        hidden = min(step, forward)
+        hidden = min(step, compute / 4) if hw.compute_io_overlap else 0.0  # the step overlaps the next forward
         disk_total = disk_time(disk_read, disk_write)
-        seconds = max(disk_total, max(compute, params_io) + step - hidden)
+        seconds = max(disk_total, forward_backward + step - hidden)
         parts["step_hidden"] = hidden
     elif system == "a":  # ZeRO-Infinity sits near the sum of its phases (docs/benchmarks.md)
         seconds = compute + params_io + step
     else:
-        seconds = max(compute, params_io) + step
+        seconds = forward_backward + step
     bottleneck = max((v, k) for k, v in parts.items() if k != "step_hidden")[1]
     return Prediction(system, seconds, parts, bottleneck, host_link, disk_read + disk_write)
 

@@ -97,7 +97,8 @@ def measure(nvme_path: Path, devices: int) -> Hardware:
     ram = psutil.virtual_memory().total / GB
     return Hardware("this machine (measured)", 1, m.flops / 1e12, ram, ram, 1, m.disk_read / GB, m.disk_write / GB,
                     host_link=50.0, host_update=host_update, devices=devices, device_internal=m.disk_read / GB,
-                    device_update=device_update, shared_disk=True, ssd_mixed=mixed / GB)  # fmt: skip
+                    device_update=device_update, shared_disk=True, compute_io_overlap=False,
+                    ssd_mixed=mixed / GB)  # fmt: skip
 
 
 def compare(bench_json: Path, job: Job, hw: Hardware) -> str:
