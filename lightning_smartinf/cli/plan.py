@@ -1,7 +1,7 @@
 """``smartinf-plan``: memory, disk and predicted iteration time of systems (a)-(e) for a recipe on any hardware.
 
     smartinf-plan --recipe gpt_350m --measure                        # this machine, measured by short probes
-    smartinf-plan --recipe gpt_65b --hardware greedysnake_a100       # a described machine (conf/hardware/*.yaml)
+    smartinf-plan --recipe gpt_65b --hardware greedysnake_a100       # a described machine (recipes/hardware/*.yaml)
     smartinf-plan --recipe gpt_2_7b --hardware smart_infinity_a100 --set devices=4 ssds=4
     smartinf-plan --measure --compare smartinf_bench/benchmarks.json # predicted against smartinf-bench's measures
     smartinf-plan --hardware smart_infinity_a100 --sweep-devices 10 --plot devices.png
@@ -43,9 +43,9 @@ def job_of(model: dict[str, Any], seq: int, micro_batch: int, micro_batches: int
 
 
 def hardware_preset(name: str) -> Hardware:
-    path = Path(name) if Path(name).is_file() else asset_dir("conf") / "hardware" / f"{name}.yaml"
+    path = Path(name) if Path(name).is_file() else asset_dir("recipes") / "hardware" / f"{name}.yaml"
     if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in (asset_dir("conf") / "hardware").glob("*.yaml")))
+        known = ", ".join(sorted(p.stem for p in (asset_dir("recipes") / "hardware").glob("*.yaml")))
         raise SystemExit(f"--hardware={name!r} is neither a file nor one of: {known}")
     values: Any = OmegaConf.to_container(OmegaConf.load(path))
     return Hardware.from_dict({"name": path.stem, **values})
@@ -101,6 +101,23 @@ def measure(nvme_path: Path, devices: int) -> Hardware:
                     ssd_mixed=mixed / GB)  # fmt: skip
 
 
+def settings_for(system: str, hw: Hardware, seq: int, micro_batch: int, micro_batches: int) -> str:
+    """The ``smartinf-train`` overrides that run ``system`` on the planned global batch."""
+    if system == "a":
+        return "(DeepSpeed: see smartinf-bench's deepspeed_config.json)"
+    parts = ["offload.grads=cpu", f"data.seq_len={seq}"]
+    if system in ("c", "d", "e"):  # one batch of M micro-batches per step
+        parts += [f"data.batch_size={micro_batch * micro_batches}", "schedule=vertical",
+                  f"schedule.micro_batches={micro_batches}", "schedule.overlap=1.0"]  # fmt: skip
+    else:
+        parts += [f"data.batch_size={micro_batch}", f"trainer.accumulate_grad_batches={micro_batches}"]
+    if system in ("d", "e"):
+        parts += ["update=smart", f"update.devices={hw.devices}"]
+    if system == "e":
+        parts += ["compression=topk", "compression.keep=0.01", "compression.error_feedback=true"]
+    return " ".join(parts)
+
+
 def compare(bench_json: Path, job: Job, hw: Hardware) -> str:
     """Predicted against measured seconds per step, per system in a smartinf-bench result."""
     bench = json.loads(bench_json.read_text())
@@ -147,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--micro-batches", type=int, default=4)
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--hardware", help="a preset in conf/hardware/ or a YAML file of Hardware fields")
+    source.add_argument("--hardware", help="a preset in recipes/hardware/ or a YAML file of Hardware fields")
     source.add_argument("--measure", action="store_true", help="probe this machine")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override hardware fields")
     parser.add_argument("--devices", type=int, default=2, help="near-storage devices with --measure")
@@ -161,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
         model["n_layer"] = args.layers
     job = job_of(model, args.seq, args.micro_batch, args.micro_batches)
     if not (args.measure or args.hardware):
-        parser.error("give --hardware NAME (conf/hardware/) or --measure")
+        parser.error("give --hardware NAME (recipes/hardware/) or --measure")
     hw = measure(Path(args.nvme_path), args.devices) if args.measure else hardware_preset(args.hardware)
     overrides = dict(item.split("=", 1) for item in args.set)
     if overrides:
@@ -176,6 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     best = min(predictions, key=lambda x: x.seconds)
     print(f"\nrecommended: ({best.system}) {NAMES[best.system]} ({best.seconds:.2f} s/iteration, bound by "
           f"{best.bottleneck})")  # fmt: skip
+    settings = settings_for(best.system, hw, args.seq, args.micro_batch, args.micro_batches)
+    print(f"  settings: smartinf-train recipe={args.recipe} {settings}")
     print("memory and disk needed per tier:")
     for tier, nbytes in memory_needs(job, hw, best.system).items():
         print(f"  {tier}: {nbytes / GB:.1f} GB")

@@ -61,4 +61,5 @@ def test_plan_for_a_described_machine(tmp_path: Path) -> None:
                      "--seq", "1024", "--micro-batch", "16", "--micro-batches", "1", "--sweep-devices", "4",
                      "--plot", str(tmp_path / "sweep.png"), cwd=tmp_path)  # fmt: skip
     assert "| (d) + SmartUpdate |" in out and "recommended:" in out and "storage (per device)" in out
+    assert "settings: smartinf-train recipe=gpt_2_7b offload.grads=cpu" in out
     assert (tmp_path / "sweep.png").is_file()
