@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -69,7 +70,10 @@ def engine_bandwidth(nvme_path: Path, flops: float) -> float:
                     2, "bf16-mixed", str(nvme_path), steps=3)  # fmt: skip
     scratch = nvme_path / "engine_probe"
     scratch.mkdir(parents=True, exist_ok=True)
-    r = run_one("b", work, scratch, 0)
+    try:
+        r = run_one("b", work, scratch, 0)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     compute = 8 * r["params"] * work.tokens_per_step / flops
     return (r["disk_read_per_step"] + r["disk_write_per_step"]) / max(r["seconds_per_step"] - compute, 1e-3)
 

@@ -33,3 +33,20 @@ def test_vertical_reads_parameters_once_per_iteration() -> None:
 def test_unknown_hardware_key_is_named() -> None:
     with pytest.raises(ValueError, match=r"unknown hardware keys \['ssd_count'\]"):
         Hardware.from_dict({"ssd_count": 4})
+
+
+def test_compare_reports_the_error_against_a_bench_result(tmp_path) -> None:  # noqa: ANN001
+    """smartinf-plan --compare reads smartinf-bench's JSON and gives predicted against measured per system."""
+    import json
+
+    from lightning_smartinf.cli.plan import compare
+
+    hw = Hardware(tflops=2.0, ssd_read=1.0, ssd_write=1.0, host_update=2.0, compute_io_overlap=False, ssd_mixed=1.0)
+    j = job(4)
+    exact = predict("c", j, hw).seconds
+    bench = {"results": {"c": {"params": j.params, "seconds_per_step": exact},
+                         "a": {"params": j.params, "seconds_per_step": 2 * predict("a", j, hw).seconds}}}  # fmt: skip
+    path = tmp_path / "benchmarks.json"
+    path.write_text(json.dumps(bench))
+    table = compare(path, j, hw)
+    assert "| (c) + vertical + overlap |" in table and "| +0% |" in table and "| -50% |" in table
