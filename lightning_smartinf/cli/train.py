@@ -73,7 +73,7 @@ class FinalCheckpoint(pl.Callback):
         self.directory = directory
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        trainer.save_checkpoint(self.directory / f"step{trainer.global_step}.ckpt")
+        trainer.save_checkpoint(self.directory / f"step{trainer.global_step}.ckpt", weights_only=False)
 
 
 def resume_path(resume: str | None) -> Path | None:
