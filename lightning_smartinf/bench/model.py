@@ -140,16 +140,22 @@ def predict(system: str, job: Job, hw: Hardware, keep: float = 0.01, vertical: b
     return Prediction(system, seconds, parts, bottleneck, host_link, disk_read + disk_write)
 
 
-def memory_needs(job: Job, hw: Hardware, system: str) -> dict[str, float]:
-    """Bytes per tier: device (resident copy of the largest block, twice, plus checkpoints), host (fp32 gradients,
-    buffers), storage (16-bit params + 12 B/param of state, in the devices' SSDs for (d)/(e))."""
+def memory_needs(job: Job, hw: Hardware, system: str, layers: int, subgroup: int = 1 << 24) -> dict[str, float]:
+    """Bytes per tier with the engine's default settings (prefetch 1, step lookahead 1; docs/engine.md, Memory).
+
+    Device: the resident parameters (16-bit), three streamed blocks in flight, the block-boundary activation
+    checkpoints of all micro-batches (vertical) or of one (horizontal). Host: fp32 gradients (offload.grads=cpu),
+    the fixed buffer pools. Storage: 16-bit parameters, and 12 B/param of fp32 master and Adam state on the host's
+    SSDs (host update) or spread over the devices' (SmartUpdate)."""
     p = job.params
-    largest_block = (p - job.streamed) + job.streamed / 10
-    checkpoints = job.hidden_bytes_per_token * job.tokens
+    block = job.streamed / max(layers, 1)
+    sg = min(subgroup, block)
+    vertical = system in ("c", "d", "e")
+    checkpoints = job.hidden_bytes_per_token * job.tokens / (1 if vertical else job.micro_batches)
     needs = {
-        "device": 2 * 2 * largest_block + checkpoints,
-        "host": 4 * p + 4 * 2 * largest_block * 4,
-        "storage (host SSDs)": 2 * p + (12 * p if system in ("a", "b", "c") else 0),
+        "device": 2 * (p - job.streamed) + 3 * 2 * block + checkpoints,
+        "host": 4 * p + 3 * 2 * block + 4 * sg * (4 + 3 * 3) + 4 * block,
+        "storage (host SSDs)": 2 * job.streamed + (12 * p if system in ("a", "b", "c") else 0),
     }
     if system in ("d", "e"):
         needs["storage (per device)"] = 12 * p / max(hw.devices, 1)

@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = settings_for(best.system, hw, args.seq, args.micro_batch, args.micro_batches)
     print(f"  settings: smartinf-train recipe={args.recipe} {settings}")
     print("memory and disk needed per tier:")
-    for tier, nbytes in memory_needs(job, hw, best.system).items():
+    for tier, nbytes in memory_needs(job, hw, best.system, model["n_layer"]).items():
         print(f"  {tier}: {nbytes / GB:.1f} GB")
     if args.compare:
         print("\n" + compare(args.compare, job, hw))
