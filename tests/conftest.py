@@ -23,6 +23,22 @@ from lightning_smartinf.models.gpt import GPTConfig, GPTModule
 TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=256, block_size=16)
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Compile DeepSpeed's ops here, once, before any test: otherwise the first command-line test would compile them
+    inside a subprocess with a timeout, and a build killed part-way leaves a lock that hangs every later load."""
+    from lightning_smartinf.ops import build_all, build_lock
+
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line("building DeepSpeed's ops (first run on a machine only: a few minutes)")
+        for name in ("async_io", "cpu_adam"):
+            if (lock := build_lock(name)) is not None:
+                reporter.write_line(f"waiting on {lock}: delete it if no other process is compiling {name}")
+    loaded = build_all()
+    if reporter is not None:
+        reporter.write_line(f"DeepSpeed ops ready: {', '.join(loaded) or 'none compatible'}")
+
+
 @pytest.fixture(autouse=True)
 def _quiet() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)

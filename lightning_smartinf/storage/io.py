@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
+from lightning_smartinf.ops import load_op
 from lightning_smartinf.storage.aligned import ALIGNMENT, aligned_bytes
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ class DeepSpeedAIO:
     ) -> None:
         from deepspeed.ops.op_builder import AsyncIOBuilder
 
-        self._module: Any = AsyncIOBuilder().load(verbose=False)
+        self._module: Any = load_op(AsyncIOBuilder())
         self._handle_args = (block_size, queue_depth, False, True, intra_op_parallelism)
         self._first_write(directory)
         self._local = threading.local()

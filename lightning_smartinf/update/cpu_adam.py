@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from lightning_smartinf.ops import load_op
+
 log = logging.getLogger(__name__)
 _ids = itertools.count(10_000)
 
@@ -18,7 +20,7 @@ class DeepSpeedCPUAdamKernel:
     def __init__(self) -> None:
         from deepspeed.ops.op_builder import CPUAdamBuilder
 
-        self._op: Any = CPUAdamBuilder().load(verbose=False)
+        self._op: Any = load_op(CPUAdamBuilder())
         self._ids: dict[bool, int] = {}
 
     def _id(self, adamw: bool) -> int:
