@@ -19,7 +19,7 @@ no fudge factors; docs/benchmarks.md compares it with smartinf-bench on this mac
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from lightning_smartinf.bench.systems import NAMES
@@ -75,7 +75,6 @@ class Job:
     tokens: float
     micro_batches: int
     hidden_bytes_per_token: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -106,11 +105,11 @@ def predict(system: str, job: Job, hw: Hardware, keep: float = 0.01, vertical: b
     params_io = disk_time(param_bytes, 0.0)
     if system in ("a", "b", "c"):
         step_read, step_write = 12 * p, 14 * p
-        step = max(disk_time(step_read, step_write), p / (hw.host_update * 1e9))
+        step_io, host_update = disk_time(step_read, step_write), p / (hw.host_update * 1e9)
+        step = max(step_io, host_update)
         host_link = param_bytes + step_read + step_write
         disk_read, disk_write = param_bytes + step_read, step_write
-        parts = {"compute": compute, "params_io": params_io, "step_io": disk_time(step_read, step_write),
-                 "host_update": p / (hw.host_update * 1e9)}  # fmt: skip
+        parts = {"compute": compute, "params_io": params_io, "step_io": step_io, "host_update": host_update}
     else:
         grads = (keep * (4 + 2) if system == "e" else 4) * p
         wire = grads + 4 * p  # gradients out, fp32 parameters back

@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 SYSTEMS = ("a", "b", "c", "d", "e")
@@ -38,7 +38,6 @@ class Workload:
     steps: int = 3
     subgroup_size: int = 1 << 24
     accelerator: str = "cpu"
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def tokens_per_step(self) -> int:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_smartinf.storage.aligned import ALIGNMENT, aligned_bytes
+from lightning_smartinf.storage.io import bytes_view
 from lightning_smartinf.storage.space import human_bytes
 
 CHUNK = 8 << 20
@@ -94,8 +95,7 @@ def copy_file(source: Path, target: Path, replace: bool = False) -> FileRecord:
 
 
 def _copy_direct(source: Path, target: Path) -> FileRecord:
-    buffer = aligned_bytes(CHUNK)
-    view = memoryview(buffer.numpy()).cast("B")  # type: ignore[arg-type]
+    view = bytes_view(aligned_bytes(CHUNK))
     digest = hashlib.sha256()
     offset = 0
     fin = os.open(source, os.O_RDONLY | os.O_DIRECT)

@@ -31,8 +31,7 @@ from omegaconf import OmegaConf
 
 from lightning_smartinf.bench.systems import NAMES, SYSTEMS, Workload, deepspeed_config
 from lightning_smartinf.resources import asset_dir
-from lightning_smartinf.schedule.planner import Machine, measure_machine
-from lightning_smartinf.storage.io import make_backend
+from lightning_smartinf.schedule.planner import Machine, probe_machine
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -181,11 +180,8 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     work = out / "runs"
     work.mkdir(parents=True, exist_ok=True)
-    backend = make_backend("auto", nvme, 4, 1, 1 << 20, 32)
-    device = torch.device(args.accelerator)
     dtype = torch.bfloat16 if args.precision.startswith("bf16") else torch.float32
-    machine = measure_machine(device, nvme, backend, float("inf"), dtype, 0, 0)
-    backend.close()
+    machine = probe_machine(torch.device(args.accelerator), nvme, dtype)
     (out / "deepspeed_config.json").write_text(json.dumps(deepspeed_config(w, str(nvme / "bench_a")), indent=2))
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in args.systems}
     for rep in range(args.reps):

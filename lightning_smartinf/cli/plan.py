@@ -12,10 +12,10 @@ The model and its assumptions: ``lightning_smartinf/bench/model.py``; validation
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +28,7 @@ from lightning_smartinf.bench.model import GB, Hardware, Job, describe, memory_n
 from lightning_smartinf.bench.systems import NAMES, SYSTEMS, Workload
 from lightning_smartinf.cli.bench import recipe_model, run_one
 from lightning_smartinf.resources import asset_dir
-from lightning_smartinf.schedule.planner import measure_machine
-from lightning_smartinf.storage.io import make_backend
+from lightning_smartinf.schedule.planner import probe_machine
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -50,16 +49,6 @@ def hardware_preset(name: str) -> Hardware:
         raise SystemExit(f"--hardware={name!r} is neither a file nor one of: {known}")
     values: Any = OmegaConf.to_container(OmegaConf.load(path))
     return Hardware.from_dict({"name": path.stem, **values})
-
-
-def _rate(run: Any, n: int) -> float:
-    run(1)
-    times = []
-    for step in range(2, 6):
-        start = time.perf_counter()
-        run(step)
-        times.append(time.perf_counter() - start)
-    return n / statistics.median(times) / 1e9
 
 
 def engine_bandwidth(nvme_path: Path, flops: float) -> float:
@@ -83,19 +72,21 @@ def measure(nvme_path: Path, devices: int) -> Hardware:
     CPU Adam (DeepSpeed's op where it builds) and one OpenCL device's Adam throughput; the PoCL devices share the
     disk."""
     from lightning_smartinf.cli.kernel_bench import deepspeed_adam, opencl_adam
+    from lightning_smartinf.cli.kernel_bench import measure as time_calls
+
+    def rate(run: Any, n: int) -> float:  # G params/s, median of 4 calls after a warm-up
+        return n / statistics.median(time_calls({"kernel": run}, reps=4, rounds=1)["kernel"]) / 1e9
 
     nvme_path.mkdir(parents=True, exist_ok=True)
-    backend = make_backend("auto", nvme_path, 4, 1, 1 << 20, 32)
-    m = measure_machine(torch.device("cpu"), nvme_path, backend, float("inf"), torch.bfloat16, 0, 0)
-    backend.close()
+    m = probe_machine(torch.device("cpu"), nvme_path, torch.bfloat16)
     mixed = engine_bandwidth(nvme_path, m.flops)
     n = 1 << 22
     try:
-        host_update = _rate(deepspeed_adam(n), n)
+        host_update = rate(deepspeed_adam(n), n)
     except Exception:  # noqa: BLE001 - no DeepSpeed op: torch's Adam is what the engine would use
         host_update = 0.2
     try:
-        device_update = _rate(opencl_adam(n, "Portable Computing Language"), n)
+        device_update = rate(opencl_adam(n, "Portable Computing Language"), n)
     except Exception:  # noqa: BLE001 - no OpenCL here: SmartUpdate cannot run, say so with a zero rate
         device_update = 0.0
     ram = psutil.virtual_memory().total / GB
@@ -127,8 +118,7 @@ def compare(bench_json: Path, job: Job, hw: Hardware) -> str:
     bench = json.loads(bench_json.read_text())
     lines = ["| system | measured s | predicted s | error |", "|---|---|---|---|"]
     for system, r in bench["results"].items():
-        job.params = r["params"]
-        got = predict(system, job, hw).seconds
+        got = predict(system, dataclasses.replace(job, params=r["params"]), hw).seconds
         lines.append(f"| ({system}) {NAMES[system]} | {r['seconds_per_step']:.2f} | {got:.2f} | "
                      f"{(got - r['seconds_per_step']) / r['seconds_per_step']:+.0%} |")  # fmt: skip
     return "\n".join(lines)

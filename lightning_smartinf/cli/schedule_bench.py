@@ -24,8 +24,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_smartinf.models.gpt import GPTConfig, GPTModule
-from lightning_smartinf.schedule.planner import measure_machine
-from lightning_smartinf.storage.io import make_backend
+from lightning_smartinf.schedule.planner import probe_machine
 from lightning_smartinf.strategy import SmartInfinityStrategy
 
 matplotlib.use("Agg")
@@ -110,9 +109,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     Path(args.nvme_path).mkdir(parents=True, exist_ok=True)
     dtype = torch.bfloat16 if args.precision.startswith("bf16") else torch.float32
-    backend = make_backend("auto", Path(args.nvme_path), 4, 1, 1 << 20, 32)
-    machine = measure_machine(torch.device("cpu"), Path(args.nvme_path), backend, float("inf"), dtype, 0, 0)
-    backend.close()
+    machine = probe_machine(torch.device("cpu"), Path(args.nvme_path), dtype)
     modes = ["horizontal", *(mode for mode in args.modes if mode != "horizontal")]
     results: dict[str, dict[int, dict[str, float]]] = {mode: {} for mode in modes}
     for m in args.micro_batches:

@@ -26,7 +26,7 @@ import torch
 
 from lightning_smartinf.storage.aligned import aligned_bytes
 from lightning_smartinf.storage.counters import TrafficCounters
-from lightning_smartinf.storage.io import IOBackend
+from lightning_smartinf.storage.io import IOBackend, make_backend
 from lightning_smartinf.storage.store import FileStore
 
 
@@ -137,3 +137,13 @@ def measure_machine(device: torch.device, directory: Path, backend: IOBackend, u
     for i in range(chunks):
         store.path("probe", f"bw{i}").unlink(missing_ok=True)
     return Machine(flops, read, write, update_params_per_s, device_memory, host_memory)
+
+
+def probe_machine(device: torch.device, directory: Path, dtype: torch.dtype) -> Machine:
+    """``measure_machine`` for a command without an engine: FLOP/s and the disk under ``directory`` through an I/O
+    backend of its own (speeds only: no update rate, no memory limits)."""
+    backend = make_backend("auto", directory, 4, 1, 1 << 20, 32)
+    try:
+        return measure_machine(device, directory, backend, float("inf"), dtype, 0, 0)
+    finally:
+        backend.close()

@@ -23,7 +23,7 @@ from lightning_smartinf.storage.aligned import ALIGNMENT, aligned_bytes
 log = logging.getLogger(__name__)
 
 
-def _bytes_view(buffer: torch.Tensor) -> memoryview:
+def bytes_view(buffer: torch.Tensor) -> memoryview:
     """A writable memoryview over a uint8 CPU tensor, for os.preadv/pwritev."""
     return memoryview(buffer.numpy()).cast("B")  # type: ignore[arg-type]
 
@@ -48,7 +48,7 @@ def supports_o_direct(directory: Path) -> bool:
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
         try:
-            os.pwrite(fd, _bytes_view(buffer), 0)
+            os.pwrite(fd, bytes_view(buffer), 0)
         finally:
             os.close(fd)
         return True
@@ -68,7 +68,7 @@ class ThreadPoolIO:
         self._flag = os.O_DIRECT if direct else 0
 
     def _read(self, path: Path, buffer: torch.Tensor) -> None:
-        view = _bytes_view(buffer)
+        view = bytes_view(buffer)
         fd = os.open(path, os.O_RDONLY | self._flag)
         try:
             done = 0
@@ -81,7 +81,7 @@ class ThreadPoolIO:
             os.close(fd)
 
     def _write(self, path: Path, buffer: torch.Tensor) -> None:
-        view = _bytes_view(buffer)
+        view = bytes_view(buffer)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | self._flag, 0o644)
         try:
             done = 0
