@@ -13,15 +13,28 @@ import logging
 import shutil
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import (
+    _all_gather_ddp_if_available,
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.strategy import Strategy, TBroadcast
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
@@ -63,8 +76,9 @@ class SaveRecord:
     seconds: float
 
 
-class SmartInfinityStrategy(Strategy):
-    """SSD-offloaded training of one model on one device (see docs/engine.md)."""
+class SmartInfinityStrategy(ParallelStrategy):
+    """SSD-offloaded training of one model, on one device or data parallel over many processes (docs/engine.md,
+    docs/data_parallel.md): with ``devices=N, num_nodes=K`` each rank owns 1/(N*K) of every block's state."""
 
     strategy_name = "smart_infinity"
 
@@ -76,17 +90,24 @@ class SmartInfinityStrategy(Strategy):
         schedule: ScheduleConfig | dict[str, Any] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         precision_plugin: Precision | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        process_group_backend: str | None = None,
+        timeout: float | timedelta = 1800.0,
     ) -> None:
-        super().__init__(accelerator=accelerator, precision_plugin=precision_plugin)
+        super().__init__(
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            precision_plugin=precision_plugin,
+        )  # fmt: skip
         self.offload = coerce(OffloadConfig, offload, "offload")
         self.update = coerce(UpdateConfig, update, "update")
         self.compression = coerce(CompressionConfig, compression, "compression")
         self.schedule = coerce(ScheduleConfig, schedule, "schedule")
         check_combination(self.offload, self.update, self.compression)
-        self.parallel_devices: list[torch.device] | None = None
         self.engine: OffloadEngine | None = None
-        self.global_rank = self.local_rank = self.node_rank = 0
-        self.world_size = 1
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         self._resume_from: Manifest | None = None
         self.last_save: SaveRecord | None = None
         self.vertical: VerticalSchedule | None = None
@@ -97,37 +118,86 @@ class SmartInfinityStrategy(Strategy):
     @property
     @override
     def root_device(self) -> torch.device:
-        if self.parallel_devices and len(self.parallel_devices) > 1:
-            raise ValueError(
-                f"smart_infinity runs on one device per process; Trainer(devices={len(self.parallel_devices)}) "
-                "asks for data parallelism, which is not supported yet: use devices=1"
-            )
-        return self.parallel_devices[0] if self.parallel_devices else torch.device("cpu")
+        return self.parallel_devices[self.local_rank] if self.parallel_devices else torch.device("cpu")
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices else 1
+
+    @property
+    def is_distributed(self) -> bool:
+        """More than one rank: Lightning then gives each rank its share of the data (a DistributedSampler)."""
+        return self.num_nodes * self.num_processes > 1
 
     @property
     @override
-    def is_global_zero(self) -> bool:
-        return True
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @override
+    def _configure_launcher(self) -> None:
+        """One process per device, started the way DDP starts them (or by torchrun / SLURM, which Lightning's
+        cluster environments detect)."""
+        if self.is_distributed:
+            assert self.cluster_environment is not None
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.is_distributed and not _distributed_is_initialized():
+            self.set_world_ranks()
+            backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+            self._process_group_backend = backend
+            assert self.cluster_environment is not None
+            _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
 
     @override
     def model_to_device(self) -> None:
         """Nothing: the engine places the resident parameters and streams the rest."""
 
     @override
-    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
-        return tensor
+        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        pass
+        if _distributed_is_initialized():
+            dist.barrier()
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return obj
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src)
+        return holder[0]  # type: ignore[no-any-return]
+
+    def _sync_initial_weights(self) -> None:
+        """Every rank starts from rank 0's parameters and buffers (as DDP does), whatever each seeded."""
+        assert self.model is not None
+        for tensor in [*self.model.parameters(), *self.model.buffers()]:
+            dist.broadcast(tensor.data, 0)
 
     # -- set-up ----------------------------------------------------------------------------------------------------
     @override
@@ -145,10 +215,12 @@ class SmartInfinityStrategy(Strategy):
                 )
         if self.engine is None:
             optimizer = self.optimizers[0] if self.optimizers else None
+            if self.is_distributed:
+                self._sync_initial_weights()
             self.engine = OffloadEngine(
                 self.model, optimizer, self.offload, self.update, self.root_device, precision.param_dtype,
                 loss_scaling=precision.precision == "16-mixed", compression=self.compression,
-                overlap=self.schedule.overlap,
+                overlap=self.schedule.overlap, rank=self.global_rank, world=self.world_size,
             )  # fmt: skip
             log.info(
                 "smart_infinity: %d params in %d blocks, %d subgroups; storage %s; update %s; host buffers %.1f MiB",
@@ -244,21 +316,71 @@ class SmartInfinityStrategy(Strategy):
         buffer = io.BytesIO()
         torch.save(checkpoint, buffer)
         trainer_state = buffer.getvalue()
-        nbytes = engine_nbytes(self.engine) + len(trainer_state)
-        with CheckpointWriter(Path(filepath), nbytes) as writer:
-            writer.write(TRAINER_STATE, trainer_state)
-            engine = save_engine_state(self.engine, writer, ENGINE_STATE)
-            manifest = writer.publish({"engine": engine, "global_step": checkpoint.get("global_step", 0)})
-        self.last_save = SaveRecord(manifest.path, manifest.nbytes, writer.seconds)
+        if self.is_distributed:
+            manifest, seconds = self._save_partitioned(Path(filepath), trainer_state, checkpoint.get("global_step", 0))
+            if manifest is None:
+                return
+        else:
+            nbytes = engine_nbytes(self.engine) + len(trainer_state)
+            with CheckpointWriter(Path(filepath), nbytes) as writer:
+                writer.write(TRAINER_STATE, trainer_state)
+                engine = save_engine_state(self.engine, writer, ENGINE_STATE)
+                manifest = writer.publish({"engine": engine, "global_step": checkpoint.get("global_step", 0)})
+            seconds = writer.seconds
+        self.last_save = SaveRecord(manifest.path, manifest.nbytes, seconds)
         log.info(
             "smart_infinity: checkpoint %s, %s in %.2f s (%.2f s/GB)", manifest.path, human_bytes(manifest.nbytes),
-            writer.seconds, writer.seconds / max(manifest.nbytes / 1e9, 1e-9),
+            seconds, seconds / max(manifest.nbytes / 1e9, 1e-9),
         )  # fmt: skip
+
+    def _save_partitioned(self, target: Path, trainer_state: bytes, step: int) -> tuple[Manifest | None, float]:
+        """Every rank writes its slices under ``offload/rank{r}`` of rank 0's staging directory; rank 0 adds the
+        trainer state and publishes once all ranks' files are durable (a shared filesystem, as DeepSpeed assumes).
+        A failure on any rank fails the save on every rank and leaves the previous checkpoint in place."""
+        assert self.engine is not None
+        started = time.perf_counter()
+        sizes: list[int] = [0] * self.world_size
+        dist.all_gather_object(sizes, engine_nbytes(self.engine))
+        writer: CheckpointWriter | None = None
+        opened: tuple[Path | None, str | None] = (None, None)
+        if self.is_global_zero:
+            try:
+                writer = CheckpointWriter(target, sum(sizes) + len(trainer_state))
+                opened = (writer.staging, None)
+            except Exception as err:  # noqa: BLE001 - reported on every rank below
+                opened = (None, f"{type(err).__name__}: {err}")
+        staging, failure = self.broadcast(opened)
+        if staging is None:
+            raise RuntimeError(f"rank 0 could not start checkpoint {target}: {failure}")
+        part = writer or CheckpointWriter(target, sizes[self.global_rank], staging=staging)
+        result: tuple[Any, Any, str | None] = (None, None, None)
+        try:
+            meta = save_engine_state(self.engine, part, f"{ENGINE_STATE}/rank{self.global_rank}")
+            result = (part.finish(), meta, None)
+        except Exception as err:  # noqa: BLE001 - reported on every rank below
+            result = (None, None, f"rank {self.global_rank}: {type(err).__name__}: {err}")
+        results: list[Any] = [None] * self.world_size
+        dist.all_gather_object(results, result)
+        failures = [r[2] for r in results if r[2] is not None]
+        with part:
+            if failures:
+                raise RuntimeError(f"checkpoint {target} not written; the previous one is kept: {'; '.join(failures)}")
+            manifest = None
+            if writer is not None:
+                writer.write(TRAINER_STATE, trainer_state)
+                for files, _, _ in results[1:]:
+                    writer.add(files)
+                meta = {"ranks": [r[1] for r in results], "world_size": self.world_size, "global_step": step}
+                manifest = writer.publish(meta)
+        self.barrier()  # the checkpoint exists for every rank once save_checkpoint returns
+        return manifest, time.perf_counter() - started
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Unpublish first (drop the manifest), then delete: a kill halfway leaves no half checkpoint that looks
         complete."""
+        if not self.is_global_zero:
+            return
         path = Path(filepath)
         (path / MANIFEST).unlink(missing_ok=True)
         if path.is_dir():
@@ -280,6 +402,12 @@ class SmartInfinityStrategy(Strategy):
             "smart_infinity: verified %d files, %s, of %s in %.2f s", len(manifest.files),
             human_bytes(manifest.nbytes), manifest.path, time.perf_counter() - started,
         )  # fmt: skip
+        saved_world = manifest.meta.get("world_size", 1)
+        if saved_world != self.world_size:
+            raise ValueError(
+                f"checkpoint {manifest.path} holds the state of {saved_world} rank(s), partitioned for that many; "
+                f"this run has {self.world_size}: resume with devices x num_nodes = {saved_world}"
+            )
         self._resume_from = manifest
         return torch.load(manifest.path / TRAINER_STATE, weights_only=False)  # type: ignore[no-any-return]
 
@@ -287,7 +415,12 @@ class SmartInfinityStrategy(Strategy):
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         assert self.engine is not None and self._resume_from is not None and self.lightning_module is not None
         started = time.perf_counter()
-        load_engine_state(self.engine, self._resume_from, ENGINE_STATE)
+        manifest = self._resume_from
+        if self.is_distributed:
+            prefix, meta = f"{ENGINE_STATE}/rank{self.global_rank}", manifest.meta["ranks"][self.global_rank]
+        else:
+            prefix, meta = ENGINE_STATE, manifest.meta["engine"]
+        load_engine_state(self.engine, manifest, prefix, meta)
         log.info("smart_infinity: restored the offloaded state in %.2f s", time.perf_counter() - started)
         self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=False)
 

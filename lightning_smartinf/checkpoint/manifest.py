@@ -95,18 +95,24 @@ def _body_hash(body: dict[str, Any]) -> str:
 
 class CheckpointWriter:
     """Builds one checkpoint directory; ``publish`` makes it visible, leaving the ``with`` block otherwise removes
-    the staging directory and keeps whatever was at the target before."""
+    the staging directory and keeps whatever was at the target before.
 
-    def __init__(self, target: Path, nbytes: int) -> None:
+    Data parallel: rank 0's writer owns the staging directory; the other ranks join it (``staging=``), write their
+    own files, and hand the records of ``finish()`` to rank 0, which ``add``s them before publishing."""
+
+    def __init__(self, target: Path, nbytes: int, staging: Path | None = None) -> None:
         self.target = target.absolute()
         self.nbytes = nbytes
-        self.target.parent.mkdir(parents=True, exist_ok=True)
-        self._clean_stale_staging()
-        self.staging = _staging_name(self.target)
-        _remove(self.staging)
-        if free_bytes(self.target.parent) < nbytes:
-            raise disk_full(self.target, nbytes, "the checkpoint")
-        self.staging.mkdir()
+        self.owner = staging is None
+        if staging is None:
+            self.target.parent.mkdir(parents=True, exist_ok=True)
+            self._clean_stale_staging()
+            staging = _staging_name(self.target)
+            _remove(staging)
+            if free_bytes(self.target.parent) < nbytes:
+                raise disk_full(self.target, nbytes, "the checkpoint")
+            staging.mkdir()
+        self.staging = staging
         self.files: dict[str, FileRecord] = {}
         self._pending: dict[str, Future[FileRecord]] = {}
         self._pool = ThreadPoolExecutor(max_workers=COPY_THREADS, thread_name_prefix="smartinf-ckpt")
@@ -144,11 +150,22 @@ class CheckpointWriter:
                 raise disk_full(self.target, self.nbytes, "the checkpoint") from err
             raise
 
-    def publish(self, meta: dict[str, Any]) -> Manifest:
-        """Wait for every file, write the manifest, and rename the staging directory onto the target."""
+    def finish(self) -> dict[str, FileRecord]:
+        """Wait for every file this writer queued and make its directories durable; the records of all files."""
         for relative, future in self._pending.items():
             self.files[relative] = self._checked(future.result)
         self._pending.clear()
+        for directory in sorted(self._directories, key=lambda p: -len(p.parts)):
+            fsync_directory(directory)
+        return dict(self.files)
+
+    def add(self, files: dict[str, FileRecord]) -> None:
+        """Records of files another rank wrote into this staging directory (its ``finish()``)."""
+        self.files.update(files)
+
+    def publish(self, meta: dict[str, Any]) -> Manifest:
+        """Wait for every file, write the manifest, and rename the staging directory onto the target."""
+        self.finish()
         created = time.time()
         body = {
             "format": FORMAT,
@@ -159,8 +176,7 @@ class CheckpointWriter:
         }
         text = json.dumps({**body, "manifest_sha256": _body_hash(body)}, indent=1)
         self._checked(lambda: write_chunks(self.staging / MANIFEST, [text.encode()]))
-        for directory in sorted(self._directories, key=lambda p: -len(p.parts)):
-            fsync_directory(directory)
+        fsync_directory(self.staging)
         self._swap_into_place()
         self.seconds = time.perf_counter() - self._started
         return Manifest(self.target, dict(self.files), meta, created)
@@ -183,7 +199,7 @@ class CheckpointWriter:
         for future in self._pending.values():
             future.cancel()
         self._pool.shutdown(wait=True)
-        if err is not None:
+        if err is not None and self.owner:
             _remove(self.staging)
 
 

@@ -8,6 +8,7 @@ and publishes new 16-bit params to the param store.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -25,6 +26,7 @@ from lightning_smartinf.engine.grads import GradientAccumulator
 from lightning_smartinf.engine.layout import Layout, ParamSlot, Subgroup, build_layout
 from lightning_smartinf.engine.loss_scale import DynamicLossScaler
 from lightning_smartinf.engine.params import ParamStreamer
+from lightning_smartinf.engine.partition import Partition
 from lightning_smartinf.schedule.horizontal import find_blocks, unwrap_blocks, wrap_blocks
 from lightning_smartinf.storage.aligned import align_up, aligned_bytes, typed_view
 from lightning_smartinf.storage.counters import TrafficCounters
@@ -64,6 +66,16 @@ def planned_storage_bytes(
     return total
 
 
+def rank_path(path: str, rank: int, world: int) -> Path:
+    """A rank's own directory: ``{rank}`` in ``path`` replaced, or, with several ranks and no ``{rank}``,
+    ``path/rank{rank}`` (two ranks never share a state directory)."""
+    if "{rank}" in path:
+        path = path.replace("{rank}", str(rank))
+    elif world > 1:
+        path = f"{path}/rank{rank}"
+    return Path(path).expanduser().resolve()
+
+
 class OffloadEngine:
     """Parameters, gradients and optimizer state of one model, offloaded per ``OffloadConfig``."""
 
@@ -78,6 +90,8 @@ class OffloadEngine:
         loss_scaling: bool = False,
         compression: CompressionConfig | None = None,
         overlap: float = 0.0,
+        rank: int = 0,
+        world: int = 1,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -102,9 +116,10 @@ class OffloadEngine:
         block_list = find_blocks(model)
         self.block_modules = [m for _, m in block_list]
         groups = [g["params"] for g in optimizer.param_groups] if optimizer else [list(model.parameters())]
-        self.layout = build_layout(model, block_list, groups, offload.subgroup_size)
+        self.layout = build_layout(model, block_list, groups, offload.subgroup_size, rank, world)
+        self.partition = Partition(self.layout)
 
-        root = Path(offload.nvme_path).expanduser().resolve()
+        root = rank_path(offload.nvme_path, rank, world)
         host_update = update.backend == "host"
         needed = planned_storage_bytes(self.layout, self.rule, offload, self.itemsize, host_update)
         self._locks: list[StateLock] = []
@@ -139,7 +154,9 @@ class OffloadEngine:
         self.disk = disk
         pin = self.device.type == "cuda"
         param_store: TensorStore = disk if offload.params == "nvme" else HostStore(pin=pin)
-        self.params = ParamStreamer(self.layout, param_store, self.param_dtype, self.device, offload.prefetch)
+        self.params = ParamStreamer(
+            self.layout, param_store, self.param_dtype, self.device, offload.prefetch, self.partition
+        )
         self.updater: Updater | None = None
         self._device_backends: list[IOBackend] = []
         if self.rule is not None:
@@ -159,7 +176,9 @@ class OffloadEngine:
         if update.wire == "16bit" and self.param_dtype == torch.float32:
             raise ValueError("update.wire=16bit needs a 16-bit training precision (bf16-mixed or 16-mixed)")
         wire = self.param_dtype if update.wire == "16bit" else torch.float32
-        specs = device_specs(update.devices)
+        layout = self.layout
+        specs = [dataclasses.replace(s, path=str(rank_path(s.path, layout.rank, layout.world))) if s.path else s
+                 for s in device_specs(update.devices)]  # fmt: skip
         cfg = self.cfg
 
         def make_store(directory: Path, link: str, needed: int) -> FileStore:
@@ -211,6 +230,7 @@ class OffloadEngine:
         block = self.layout.blocks[index]
         flat = typed_view(self._grad_flat, torch.float32, block.numel)
         self._gather_grads(block.slots, flat)
+        self.partition.reduce_block(flat, block)
         self.grads.add_block(block, flat)
         self._stream_block(index)
 
@@ -238,9 +258,10 @@ class OffloadEngine:
         if resident.numel:
             flat = torch.zeros(resident.numel, dtype=torch.float32)
             self._gather_grads(resident.slots, flat)
+            self.partition.reduce_block(flat, resident)
             self.grads.add_block(resident, flat)
         if self._eager is not None:
-            self._eager_norm = float(self.grads.global_norm())
+            self._eager_norm = float(self.partition.global_norm(self.grads.global_norm()))
         self._stream_block(0)
 
     # -- eager updates: each block's update starts when its gradient is final (vertical schedule) -----------------
@@ -279,7 +300,7 @@ class OffloadEngine:
         scale = self.scaler.scale if self.scaler is not None else 1.0
         # GradScaler's fp32 reciprocal, then clip_grad_norm_'s fp32 coefficient on the unscaled norm
         inv_scale = float(torch.tensor(scale, dtype=torch.float64).reciprocal().float())
-        norm = self.grads.global_norm() * inv_scale
+        norm = self.partition.global_norm(self.grads.global_norm()) * inv_scale
         found_inf = not bool(torch.isfinite(norm))
         if self.scaler is not None:
             self.scaler.update(found_inf)
@@ -295,6 +316,7 @@ class OffloadEngine:
         self.micro_batches = 0
         if self.overlap == 0.0:
             self._apply(ctx)
+            self.params.gather_resident()
         else:
             self._start_overlapped(ctx)
         return StepResult(True, float(norm), scale)
@@ -340,11 +362,12 @@ class OffloadEngine:
         self._step_thread.start()
 
     def _wait_overlapped(self) -> None:
-        must_finish = (1.0 - self.overlap) * self.layout.num_params
+        must_finish = (1.0 - self.overlap) * self.layout.local_numel
         with self._progress:
             self._progress.wait_for(lambda: self._done_elements >= must_finish or self.params.failure is not None)
         self.params.ready[0].wait()  # the resident layers run first and outside the block hooks
         self._raise_failure()
+        self.params.gather_resident()
 
     def wait_step(self) -> None:
         """Block until an overlapped step has finished (before checkpoints, reads of the masters, shutdown)."""
@@ -365,6 +388,7 @@ class OffloadEngine:
         for sg in self.layout.subgroups:
             self.params.store_update(sg, self.updater.read_master(sg))
         self.params.flush()
+        self.params.gather_resident()
 
     # -- inspection ----------------------------------------------------------------------------------------------
     def master_state_dict(self) -> dict[str, torch.Tensor]:
@@ -377,6 +401,7 @@ class OffloadEngine:
             flat = torch.zeros(block.numel, dtype=torch.float32)
             for sg in block.subgroups:
                 flat[sg.offset : sg.offset + sg.numel] = self.updater.read_master(sg)
+            self.partition.gather_block(flat, block)
             for slot in block.slots:
                 out[slot.name] = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
         return out

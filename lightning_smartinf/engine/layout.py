@@ -6,6 +6,11 @@ buffer; its parameters sit in optimizer-param-group order, each group's region s
 boundary. Every region is cut into *subgroups* of at most ``subgroup_size`` elements, again on 2048-element
 boundaries, so every subgroup starts 4096-byte aligned in a 16-bit or fp32 buffer and can be read with O_DIRECT
 straight into its place. A subgroup is the unit of the optimizer step and of every state file.
+
+Data parallel (``world`` ranks): each block's buffer is padded to ``world`` equal, aligned chunks and rank ``r``
+owns chunk ``r`` of every block (ZeRO-Infinity's bandwidth-centric partitioning: every block is read from all ranks'
+disks at once). A rank's subgroups cut only its own chunk; every rank keeps the whole-block offsets, so a block's
+16-bit params are one all-gather of the chunks and its gradient one reduce-scatter.
 """
 
 from __future__ import annotations
@@ -68,14 +73,26 @@ class Block:
 class Layout:
     blocks: list[Block]
     subgroups: list[Subgroup]
+    rank: int = 0
+    world: int = 1
+
+    def chunk(self, block: Block) -> tuple[int, int]:
+        """The [start, end) of ``block``'s flat buffer that this rank owns."""
+        size = block.numel // self.world
+        return self.rank * size, (self.rank + 1) * size
 
     @property
     def num_params(self) -> int:
         return sum(b.params for b in self.blocks)
 
     @property
+    def local_numel(self) -> int:
+        """Elements this rank updates (all parameters with one rank)."""
+        return sum(sg.numel for sg in self.subgroups)
+
+    @property
     def max_subgroup_numel(self) -> int:
-        return max(sg.numel for sg in self.subgroups)
+        return max((sg.numel for sg in self.subgroups), default=ELEMENT_ALIGN)
 
     @property
     def max_block_numel(self) -> int:
@@ -95,8 +112,10 @@ def build_layout(
     block_modules: Sequence[tuple[str, nn.Module]],
     param_groups: Sequence[Sequence[nn.Parameter]],
     subgroup_size: int,
+    rank: int = 0,
+    world: int = 1,
 ) -> Layout:
-    """Place every parameter of ``model`` into a block, a flat offset and a subgroup.
+    """Place every parameter of ``model`` into a block, a flat offset and (on rank ``rank`` of ``world``) a subgroup.
 
     ``param_groups`` lists the optimizer's parameters per group; every trainable parameter must be in exactly one.
     """
@@ -136,6 +155,7 @@ def build_layout(
     subgroups: list[Subgroup] = []
     for block in blocks:
         offset = 0
+        regions: list[tuple[int, int, int]] = []
         for gi in range(len(param_groups)):
             region = [s for s in block.slots if group_of[id(s.param)] == gi]
             if not region:
@@ -144,14 +164,15 @@ def build_layout(
             for slot in region:
                 slot.offset = offset
                 offset += slot.numel
-            for sg_start in range(start, offset, rounded):
-                numel = min(rounded, offset - sg_start)
-                sg = Subgroup(len(subgroups), block.index, gi, sg_start, numel)
-                subgroups.append(sg)
-                block.subgroups.append(sg)
+            regions.append((gi, start, offset))
             offset = round_up(offset)
         block.slots.sort(key=lambda s: s.offset)
-        block.numel = offset
-    if not blocks[0].slots:
-        blocks[0].numel = 0
-    return Layout(blocks, subgroups)
+        block.numel = round_up(offset, ELEMENT_ALIGN * world) if block.slots else 0
+        size = block.numel // world
+        lo, hi = rank * size, (rank + 1) * size
+        for gi, start, end in regions:
+            for sg_start in range(max(start, lo), min(end, hi), rounded):
+                sg = Subgroup(len(subgroups), block.index, gi, sg_start, min(rounded, min(end, hi) - sg_start))
+                subgroups.append(sg)
+                block.subgroups.append(sg)
+    return Layout(blocks, subgroups, rank, world)

@@ -14,6 +14,7 @@ from concurrent.futures import Future
 import torch
 
 from lightning_smartinf.engine.layout import Block, Layout, Subgroup
+from lightning_smartinf.engine.partition import Partition
 from lightning_smartinf.storage.aligned import BufferPool, typed_view
 from lightning_smartinf.storage.store import TensorStore
 
@@ -22,9 +23,16 @@ PARAM = "param"
 
 class ParamStreamer:
     def __init__(
-        self, layout: Layout, store: TensorStore, dtype: torch.dtype, device: torch.device, prefetch: int
+        self,
+        layout: Layout,
+        store: TensorStore,
+        dtype: torch.dtype,
+        device: torch.device,
+        prefetch: int,
+        partition: Partition | None = None,
     ) -> None:
         self.layout = layout
+        self.partition = partition or Partition(layout)
         self.store = store
         self.dtype = dtype
         self.device = device
@@ -104,6 +112,7 @@ class ParamStreamer:
             self.pool.release(raw)
         else:
             self._live[index] = raw
+        self.partition.gather_block(flat, block)  # the other ranks' chunks of this block
         for slot in block.slots:
             slot.param.data = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
         if self.device.type != "cpu":
@@ -139,6 +148,10 @@ class ParamStreamer:
         write = self.store.write(PARAM, sg.key, raw, sg.numel * self.itemsize)
         write.add_done_callback(lambda _f: self.out_pool.release(raw))
         self._pending_writes.append(write)
+
+    def gather_resident(self) -> None:
+        """After a step: every rank updated its chunk of the resident block; collect the others' chunks."""
+        self.partition.gather_block(self.resident_flat, self.layout.resident)
 
     def flush(self) -> None:
         """Wait for parameter write-backs (and raise their errors)."""

@@ -112,9 +112,9 @@ def save_engine_state(engine: OffloadEngine, writer: CheckpointWriter, prefix: s
     }
 
 
-def load_engine_state(engine: OffloadEngine, manifest: Manifest, prefix: str) -> None:
-    """Restore a verified checkpoint's engine state (written by ``save_engine_state`` under ``prefix``)."""
-    meta = manifest.meta["engine"]
+def load_engine_state(engine: OffloadEngine, manifest: Manifest, prefix: str, meta: dict[str, Any]) -> None:
+    """Restore a verified checkpoint's engine state (written by ``save_engine_state`` under ``prefix``, which
+    returned ``meta``)."""
     if meta["signature"] != _signature(engine):
         raise ValueError(
             f"checkpoint {manifest.path} was written for another model, optimizer, offload.subgroup_size or number "

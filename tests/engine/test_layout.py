@@ -48,3 +48,28 @@ def test_custom_block_protocol() -> None:
             return [("a", self.a), ("b", self.b)]
 
     assert [name for name, _ in find_blocks(Net())] == ["a", "b"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_partition_every_block_into_aligned_chunks(world: int) -> None:
+    model = GPT(TINY)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    single = build_layout(model, find_blocks(model), [decay, no_decay], subgroup_size=2048)
+    ranks = [build_layout(model, find_blocks(model), [decay, no_decay], 2048, r, world) for r in range(world)]
+    for index, block in enumerate(single.blocks):
+        covered = sorted(
+            (sg.offset, sg.offset + sg.numel, sg.param_group)
+            for layout in ranks
+            for sg in layout.blocks[index].subgroups
+        )
+        expected = sorted((sg.offset, sg.offset + sg.numel, sg.param_group) for sg in block.subgroups)
+        assert _elements(covered) == _elements(expected)  # the ranks' subgroups together cover what one rank's do
+        for layout in ranks:
+            lo, hi = layout.chunk(layout.blocks[index])
+            assert lo % ELEMENT_ALIGN == 0 and (hi - lo) * world == layout.blocks[index].numel
+            assert all(lo <= sg.offset and sg.offset + sg.numel <= hi for sg in layout.blocks[index].subgroups)
+
+
+def _elements(ranges: list[tuple[int, int, int]]) -> set[tuple[int, int]]:
+    return {(i, group) for lo, hi, group in ranges for i in range(lo, hi)}

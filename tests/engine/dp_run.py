@@ -1,0 +1,113 @@
+"""A data-parallel training run for the partition tests (run as a script: Lightning re-runs it for each rank).
+
+    python dp_run.py OUT --devices 2 --batch 4 --schedule vertical --update smart
+
+Writes OUT/masters.pt (every parameter's fp32 master, gathered from all ranks, by rank 0) and OUT/rank{r}.json
+(the bytes of the rank's state files and its traffic counters). ``--die-rank R`` makes rank R exit hard in the
+middle of step 3's backward; ``--save`` checkpoints every 2 steps into OUT/ckpts, ``--resume`` continues from the
+newest there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_smartinf import SmartInfinityStrategy
+from lightning_smartinf.checkpoint import latest_checkpoint
+from lightning_smartinf.engine.grads import GradientAccumulator
+from lightning_smartinf.models.gpt import GPTConfig, GPTModule
+
+TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=256, block_size=16)
+SAMPLES = 32
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=4, help="per rank")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--schedule", default="horizontal")
+    parser.add_argument("--micro-batches", type=int, default=2)
+    parser.add_argument("--overlap", type=float, default=0.0)
+    parser.add_argument("--update", default="host")
+    parser.add_argument("--optimizer", default="sgd")
+    parser.add_argument("--clip", type=float, default=None)
+    parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--die-rank", type=int, default=None)
+    parser.add_argument("--save", action="store_true")
+    parser.add_argument("--width", type=int, default=TINY.n_embd)
+    parser.add_argument("--resume", action="store_true")
+    return parser.parse_args(argv)
+
+
+def arm_death(rank: int) -> None:
+    """Exit hard (no clean-up, as a killed or crashed process) in step 3's backward."""
+    original = GradientAccumulator.add_block
+    calls = {"n": 0}
+
+    def add_block(self: GradientAccumulator, *args: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2 * TINY.n_layer + 1:
+            os._exit(3)
+        original(self, *args)
+
+    GradientAccumulator.add_block = add_block  # type: ignore[method-assign]
+
+
+def run(args: argparse.Namespace) -> SmartInfinityStrategy:
+    torch.manual_seed(0)
+    module = GPTModule(replace(TINY, n_embd=args.width), optimizer=args.optimizer, lr=1e-2)
+    data = torch.randint(0, 256, (SAMPLES, TINY.block_size + 1), generator=torch.Generator().manual_seed(1))
+    update: dict[str, Any] = {"backend": args.update, "host_adam": "torch"}
+    if args.update == "smart":
+        update["devices"] = 2
+    schedule = {"kind": args.schedule, "overlap": args.overlap}
+    if args.schedule == "vertical":
+        schedule["micro_batches"] = args.micro_batches
+    strategy = SmartInfinityStrategy(
+        offload={"nvme_path": str(args.out / "state"), "subgroup_size": 4096, "io_backend": "threads"},
+        update=update, schedule=schedule, timeout=args.timeout,
+    )  # fmt: skip
+    ckpts = args.out / "ckpts"
+    saving = [ModelCheckpoint(dirpath=ckpts, every_n_train_steps=2, save_top_k=-1)] if args.save else []
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=args.devices, max_steps=args.steps, logger=False,
+        callbacks=saving, enable_checkpointing=args.save, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, gradient_clip_val=args.clip, precision="32-true",
+    )  # fmt: skip
+    if args.die_rank is not None and trainer.global_rank == args.die_rank:
+        arm_death(args.die_rank)
+    # in order, rank r taking samples r, r + world, ...: one step's batches together are the 1-process batch
+    sampler = DistributedSampler(data, trainer.world_size, trainer.global_rank, shuffle=False)  # type: ignore[arg-type]
+    loader = DataLoader(data, batch_size=args.batch, sampler=sampler)  # type: ignore[arg-type]
+    trainer.fit(module, loader, ckpt_path=latest_checkpoint(ckpts) if args.resume else None)
+    return strategy
+
+
+def report(args: argparse.Namespace, strategy: SmartInfinityStrategy) -> None:
+    engine = strategy.engine
+    assert engine is not None
+    masters = strategy.consolidated_state_dict()  # a collective: every rank takes part
+    files = [p for p in engine.root.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    record = {"disk_bytes": sum(p.stat().st_size for p in files), "traffic": engine.counters.table()}
+    (args.out / f"rank{strategy.global_rank}.json").write_text(json.dumps(record))
+    if strategy.global_rank == 0:
+        torch.save(masters, args.out / "masters.pt")
+    strategy.close()
+
+
+if __name__ == "__main__":
+    arguments = parse()
+    arguments.out.mkdir(parents=True, exist_ok=True)
+    report(arguments, run(arguments))
