@@ -1,7 +1,9 @@
 """A callback that shows what the offload engine is doing: tokens/s and link traffic, every step, and a summary.
 
 The strategy adds it to the Trainer on set-up, so ``Trainer(strategy="smart_infinity")`` users see throughput and
-bytes moved in the progress bar and in every logger, and get a per-kind traffic table when fitting ends.
+bytes moved in the progress bar and in every logger, and get a per-kind traffic table when fitting ends. The
+progress bar shows this rank's figures; with several ranks the summary sums tokens and bytes over all of them and
+lists each rank's host-link bytes.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
@@ -75,11 +78,19 @@ class SmartInfinityMonitor(Callback):
         seconds = time.perf_counter() - self.started
         steps = engine.step_count - self.start_step
         params = engine.layout.num_params
-        table = engine.counters.table()
+        mine = {"tokens": self.tokens, "table": engine.counters.table(),
+                "host": engine.counters.total(link="host") - self.start_bytes}  # fmt: skip
+        ranks = [mine]
+        if trainer.world_size > 1 and dist.is_initialized():  # every rank runs this hook: a collective is safe
+            ranks = [{}] * trainer.world_size
+            dist.all_gather_object(ranks, mine)
+        table = _sum_tables([r["table"] for r in ranks])
+        tokens = sum(r["tokens"] for r in ranks)
         self.summary = {
             "seconds": seconds,
-            "tokens": self.tokens,
-            "tokens_per_s": self.tokens / max(seconds, 1e-9),
+            "ranks": len(ranks),
+            "tokens": tokens,
+            "tokens_per_s": tokens / max(seconds, 1e-9),
             "optimizer_steps": steps,
             "resumed_at_step": self.start_step,
             "params": params,
@@ -87,15 +98,26 @@ class SmartInfinityMonitor(Callback):
             "updater": engine.updater.name if engine.updater else None,
             "engine_host_buffers_MiB": engine.host_memory_bytes / 2**20,
             "traffic_bytes": table,
-            "host_link_bytes_per_param_per_step": (engine.counters.total(link="host") - self.start_bytes)
-            / params
-            / max(steps, 1),
+            "traffic_bytes_per_rank": [r["table"] for r in ranks],
+            "host_link_bytes_per_param_per_step": sum(r["host"] for r in ranks) / params / max(steps, 1),
+            "host_link_bytes_per_rank": [r["host"] for r in ranks],
         }
         if trainer.is_global_zero:
             print(format_summary(self.summary))
 
 
+def _sum_tables(tables: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
+    total: dict[str, dict[str, int]] = {}
+    for table in tables:
+        for link_dir, kinds in table.items():
+            for kind, n in kinds.items():
+                total.setdefault(link_dir, {})[kind] = total.get(link_dir, {}).get(kind, 0) + n
+    return total
+
+
 def format_summary(summary: dict[str, Any]) -> str:
+    ranks = summary.get("ranks", 1)
+    per_rank = summary.get("host_link_bytes_per_rank", [])
     lines = [
         "smart_infinity summary",
         f"  {summary['optimizer_steps']} steps, {summary['tokens']:,} tokens in {summary['seconds']:.1f} s "
@@ -103,8 +125,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         *([f"  resumed at step {summary['resumed_at_step']}"] if summary.get("resumed_at_step") else []),
         f"  storage: {summary['storage_backend']}",
         f"  update:  {summary['updater']}; engine host buffers {summary['engine_host_buffers_MiB']:.1f} MiB",
-        f"  host link: {summary['host_link_bytes_per_param_per_step']:.2f} B/param/step (params, grads, state)",
-    ]
+        f"  host link: {summary['host_link_bytes_per_param_per_step']:.2f} B/param/step (params, grads, state)"
+        + (f", summed over {ranks} ranks" if ranks > 1 else ""),
+        *([f"  per rank:  {', '.join(f'rank {r} {n / 2**20:.1f} MiB' for r, n in enumerate(per_rank))}"]
+          if ranks > 1 else []),
+    ]  # fmt: skip
     for link_dir, kinds in summary["traffic_bytes"].items():
         parts = ", ".join(f"{kind} {n / 2**20:.1f} MiB" for kind, n in kinds.items())
         lines.append(f"  {link_dir:12s} {parts}")

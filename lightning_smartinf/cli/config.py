@@ -50,6 +50,8 @@ class OptimConfig:
 class TrainerConfig:
     accelerator: str = "cpu"
     devices: int = 1
+    """Processes (one device each) per node; more than one trains data parallel (docs/data_parallel.md)."""
+    num_nodes: int = 1
     precision: str = "bf16-mixed"
     max_steps: int = 200
     val_check_interval: int = 100

@@ -65,6 +65,7 @@ def main() -> None:
         run_dir = work / slug
         run_dir.mkdir(parents=True, exist_ok=True)
         result = run(compose_run(overrides), run_dir)
+        assert result is not None, "one process: it is rank 0"
         summary = result["summary"]
         assert isinstance(summary, dict)
         results[name] = {

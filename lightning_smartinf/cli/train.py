@@ -49,6 +49,7 @@ def build_trainer(cfg: TrainConfig, out_dir: Path) -> tuple[pl.Trainer, SmartInf
         strategy=strategy,
         accelerator=t.accelerator,
         devices=t.devices,
+        num_nodes=t.num_nodes,
         precision=t.precision,  # type: ignore[arg-type]
         max_steps=t.max_steps,
         val_check_interval=t.val_check_interval,
@@ -60,6 +61,7 @@ def build_trainer(cfg: TrainConfig, out_dir: Path) -> tuple[pl.Trainer, SmartInf
         logger=CSVLogger(out_dir, name="logs", version=""),
         callbacks=callbacks,
         enable_checkpointing=bool(t.checkpoint_every_n_steps),
+        use_distributed_sampler=False,  # TextDataModule's train loader shards itself, resumably
         default_root_dir=out_dir,
     )
     return trainer, strategy, monitor
@@ -92,8 +94,8 @@ def resume_path(resume: str | None) -> Path | None:
     return found
 
 
-def run(cfg: TrainConfig, out_dir: Path) -> dict[str, object]:
-    """Train, validate, checkpoint and plot; return the paths and the summary."""
+def run(cfg: TrainConfig, out_dir: Path) -> dict[str, object] | None:
+    """Train, validate, checkpoint and plot; return the paths and the summary (on rank 0; None on the others)."""
     pl.seed_everything(cfg.trainer.seed, workers=True)
     o = cfg.optim
     module = GPTModule(cfg.model, lr=o.lr, weight_decay=o.weight_decay, betas=(o.betas[0], o.betas[1]),
@@ -107,6 +109,8 @@ def run(cfg: TrainConfig, out_dir: Path) -> dict[str, object]:
     val = trainer.validate(module, datamodule=data, verbose=False)
     metrics_csv = out_dir / "logs" / "metrics.csv"
     strategy.close()
+    if not trainer.is_global_zero:  # rank 0 logs, plots and reports for the run
+        return None
     plot = plot_run(metrics_csv, out_dir / "curves.png", f"{cfg.recipe_name}: smart_infinity")
     result: dict[str, object] = {
         "recipe": cfg.recipe_name,
@@ -126,6 +130,8 @@ def _main(raw: DictConfig) -> None:
     cfg: TrainConfig = OmegaConf.to_object(raw)  # type: ignore[assignment]
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     result = run(cfg, out_dir)
+    if result is None:
+        return
     print(f"\nvalidation loss: {result['val_loss']:.4f} nats/byte")
     print(f"checkpoint:      {result['checkpoint']}")
     print(f"offloaded state: {result['state_dir']}")

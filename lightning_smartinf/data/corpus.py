@@ -77,9 +77,13 @@ class TokenWindows(Dataset[torch.Tensor]):
 class ResumableLoader(DataLoader[torch.Tensor]):
     """A sequential DataLoader that Lightning checkpoints mid-epoch (it calls ``state_dict``/``load_state_dict`` on
     loaders that have them): a resumed run continues with the batch after the last one trained, not the epoch's
-    first, so resuming reproduces the data order of an uninterrupted run."""
+    first, so resuming reproduces the data order of an uninterrupted run. Data parallel: rank ``rank`` of ``world``
+    takes samples ``rank, rank + world, ...`` (as an unshuffled DistributedSampler), every rank the same count."""
 
-    def __init__(self, dataset: Dataset[torch.Tensor], batch_size: int, num_workers: int) -> None:
+    def __init__(
+        self, dataset: Dataset[torch.Tensor], batch_size: int, num_workers: int, rank: int = 0, world: int = 1
+    ) -> None:
+        self.rank, self.world = rank, world
         self._skip = 0  # batches to skip at the next __iter__ (set by load_state_dict)
         self._start = 0  # where the current pass began
         self._consumed = 0
@@ -106,10 +110,12 @@ class _FromSampler(Sampler[int]):
         self.loader = loader
 
     def __len__(self) -> int:
-        return len(self.loader.dataset)  # type: ignore[arg-type]
+        return len(self.loader.dataset) // self.loader.world  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(range(self.loader._start * (self.loader.batch_size or 1), len(self)))
+        loader = self.loader
+        mine = range(loader.rank, len(self) * loader.world, loader.world)
+        return iter(mine[loader._start * (loader.batch_size or 1) :])
 
 
 class TextDataModule(pl.LightningDataModule):
@@ -143,7 +149,9 @@ class TextDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader[torch.Tensor]:
         assert self.train is not None, "call setup() first"
-        return ResumableLoader(self.train, self.batch_size, self.num_workers)
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        return ResumableLoader(self.train, self.batch_size, self.num_workers, rank, world)
 
     def val_dataloader(self) -> DataLoader[torch.Tensor]:
         return self._loader(self.val)

@@ -38,3 +38,25 @@ def test_unknown_recipe_is_a_hydra_error(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "lightning_smartinf.cli.train", "recipe=gpt_9000b"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode != 0 and "gpt_9000b" in done.stderr
+
+
+def test_two_ranks_train_checkpoint_and_resume(tmp_path: Path) -> None:
+    cmd = [
+        sys.executable, "-m", "lightning_smartinf.cli.train", "trainer.devices=2", "trainer.max_steps=4",
+        "trainer.limit_val_batches=2", "data.batch_size=4", f"offload.nvme_path={tmp_path / 'state'}",
+    ]  # fmt: skip
+    done = subprocess.run([*cmd, f"trainer.output_dir={tmp_path / 'runs'}"], capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("validation loss:") == 1 and "summed over 2 ranks" in done.stdout
+    summary = json.loads(next((tmp_path / "runs").glob("*/summary.json")).read_text())
+    assert summary["summary"]["ranks"] == 2 and summary["summary"]["tokens"] == 4 * 2 * 4 * 128
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["rank0", "rank1"]
+    assert sorted(p.name for p in (Path(summary["checkpoint"]) / "offload").iterdir()) == ["rank0", "rank1"]
+
+    resume = [*cmd[:4], "trainer.max_steps=6", *cmd[5:], f"trainer.output_dir={tmp_path / 'resumed'}",
+              f"trainer.resume={summary['checkpoint']}"]  # fmt: skip
+    done = subprocess.run(resume, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed = json.loads(next((tmp_path / "resumed").glob("*/summary.json")).read_text())
+    assert resumed["summary"]["optimizer_steps"] == 2 and Path(resumed["checkpoint"]).name == "step6.ckpt"
