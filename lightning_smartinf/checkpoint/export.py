@@ -25,20 +25,31 @@ def _master_files(root: Path) -> dict[str, Path]:
     return {p.name: p for p in root.glob("state*/master/sg*")}
 
 
+def _parts(manifest: Any) -> list[tuple[dict[str, Any], Path]]:
+    """(layout, engine-state directory) of each rank that saved the checkpoint (one without data parallelism)."""
+    root = manifest.path / ENGINE_STATE
+    if "ranks" in manifest.meta:
+        return [(meta["signature"]["layout"], root / f"rank{r}") for r, meta in enumerate(manifest.meta["ranks"])]
+    return [(manifest.meta["engine"]["signature"]["layout"], root)]
+
+
 def consolidated_state_dict(path: Path, dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], dict]:
-    """Every parameter (and buffer) of the checkpointed module by name, plus Lightning's trainer state."""
+    """Every parameter (and buffer) of the checkpointed module by name, plus Lightning's trainer state; the slices
+    of a data-parallel run's ranks are put back together."""
     manifest = verify_checkpoint(path)
-    layout = manifest.meta["engine"]["signature"]["layout"]
-    masters = _master_files(manifest.path / ENGINE_STATE)
+    parts = [(layout, _master_files(root)) for layout, root in _parts(manifest)]
+    layout = parts[0][0]
     state: dict[str, torch.Tensor] = {}
     for index, block in enumerate(layout["blocks"]):
         flat = torch.zeros(block["numel"], dtype=torch.float32)
-        for key, owner, _, offset, numel in layout["subgroups"]:
-            if owner != index:
-                continue
-            if key not in masters:
-                raise CheckpointError(f"{manifest.path} holds no master file for subgroup {key}")
-            flat[offset : offset + numel] = torch.from_numpy(np.fromfile(masters[key], dtype=np.float32, count=numel))
+        for part_layout, masters in parts:
+            for key, owner, _, offset, numel in part_layout["subgroups"]:
+                if owner != index:
+                    continue
+                if key not in masters:
+                    raise CheckpointError(f"{manifest.path} holds no master file for subgroup {key}")
+                values = np.fromfile(masters[key], dtype=np.float32, count=numel)
+                flat[offset : offset + numel] = torch.from_numpy(values)
         for name, offset, numel, shape in block["params"]:
             state[name] = flat[offset : offset + numel].view(shape).to(dtype).clone()
     for alias, name in layout.get("aliases", {}).items():

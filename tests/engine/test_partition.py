@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_smartinf.checkpoint.export import consolidated_state_dict
+
 RUN = Path(__file__).with_name("dp_run.py")
 
 
@@ -89,6 +91,8 @@ def test_save_on_two_ranks_resumes_exactly_on_two_ranks(tmp_path: Path) -> None:
     run(tmp_path / "split", "--steps", 6, "--save", "--resume", "--optimizer", "adamw")
     straight, resumed = masters(tmp_path / "straight"), masters(tmp_path / "split")
     assert all(torch.equal(straight[name], resumed[name]) for name in straight)
+    exported, _ = consolidated_state_dict(tmp_path / "split" / "ckpts" / "epoch=1-step=6.ckpt")
+    assert all(torch.equal(exported[name], resumed[name]) for name in resumed)  # the ranks' slices rejoined
 
     refused = run(tmp_path / "split", "--devices", 1, "--steps", 8, "--resume", expect_ok=False)
     assert "holds the state of 2 rank(s)" in refused.stderr and "devices x num_nodes = 2" in refused.stderr
