@@ -40,6 +40,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--schedule", default="horizontal")
     parser.add_argument("--micro-batches", type=int, default=2)
     parser.add_argument("--overlap", type=float, default=0.0)
+    parser.add_argument("--eager", action="store_true", help="schedule.eager_update")
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--topk", type=float, default=None, help="compression=topk with this keep (smart update)")
     parser.add_argument("--update", default="host")
     parser.add_argument("--optimizer", default="sgd")
     parser.add_argument("--clip", type=float, default=None)
@@ -70,21 +73,23 @@ def run(args: argparse.Namespace) -> SmartInfinityStrategy:
     module = GPTModule(replace(TINY, n_embd=args.width), optimizer=args.optimizer, lr=1e-2)
     data = torch.randint(0, 256, (SAMPLES, TINY.block_size + 1), generator=torch.Generator().manual_seed(1))
     update: dict[str, Any] = {"backend": args.update, "host_adam": "torch"}
+    offload = {"nvme_path": str(args.out / "state"), "subgroup_size": 4096, "io_backend": "threads"}
     if args.update == "smart":
         update["devices"] = 2
-    schedule = {"kind": args.schedule, "overlap": args.overlap}
+    compression = {"kind": "topk", "keep": args.topk} if args.topk else None
+    schedule = {"kind": args.schedule, "overlap": args.overlap, "eager_update": args.eager}
     if args.schedule == "vertical":
         schedule["micro_batches"] = args.micro_batches
     strategy = SmartInfinityStrategy(
-        offload={"nvme_path": str(args.out / "state"), "subgroup_size": 4096, "io_backend": "threads"},
-        update=update, schedule=schedule, timeout=args.timeout,
+        offload={**offload, "grads": "cpu"} if args.topk else offload,
+        update=update, schedule=schedule, compression=compression, timeout=args.timeout,
     )  # fmt: skip
     ckpts = args.out / "ckpts"
     saving = [ModelCheckpoint(dirpath=ckpts, every_n_train_steps=2, save_top_k=-1)] if args.save else []
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=args.devices, max_steps=args.steps, logger=False,
         callbacks=saving, enable_checkpointing=args.save, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, gradient_clip_val=args.clip, precision="32-true",
+        limit_val_batches=0, gradient_clip_val=args.clip, precision=args.precision,
     )  # fmt: skip
     if args.die_rank is not None and trainer.global_rank == args.die_rank:
         arm_death(args.die_rank)
