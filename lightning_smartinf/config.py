@@ -6,8 +6,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, TypeVar, cast
 
 _PLACES = ("nvme", "cpu")
@@ -27,8 +28,10 @@ def _check_positive(key: str, value: int, minimum: int = 1) -> None:
 class OffloadConfig:
     """Where fp32 master/optimizer state, 16-bit params and gradients live, and how they stream."""
 
-    nvme_path: str = "smartinf_state"
-    """Directory for offloaded state files (an NVMe mount for speed). Created if missing."""
+    nvme_path: Any = "smartinf_state"
+    """Directory for offloaded state files (an NVMe mount for speed), created if missing; or a list of directories
+    (one per disk) that the subgroups' files are striped over. ``{rank}`` in a path is replaced by the process's
+    rank (data parallel; without it each rank uses ``PATH/rank{r}``)."""
     params: str = "nvme"
     """Home of the 16-bit block parameters between uses: ``nvme`` (files) or ``cpu`` (host RAM)."""
     grads: str = "nvme"
@@ -61,8 +64,25 @@ class OffloadConfig:
         _check_positive("offload.step_lookahead", self.step_lookahead, 0)
         _check_positive("offload.io_threads", self.io_threads)
         _check_positive("offload.aio_intra_op_parallelism", self.aio_intra_op_parallelism)
-        if not self.nvme_path:
-            raise ValueError("offload.nvme_path is empty: give a directory for the offloaded state")
+        paths = state_paths(self.nvme_path)
+        if len(set(paths)) != len(paths):
+            raise ValueError(f"offload.nvme_path lists a directory twice: {paths}; give each disk once")
+
+    @property
+    def paths(self) -> list[str]:
+        """``nvme_path`` as a list of directories (one entry without striping)."""
+        return state_paths(self.nvme_path)
+
+
+def state_paths(value: Any) -> list[str]:
+    """``offload.nvme_path`` (a directory or a list of them) as a non-empty list of non-empty strings."""
+    paths = [value] if isinstance(value, str | Path) else list(value) if isinstance(value, Sequence) else None
+    if not paths or not all(isinstance(p, str | Path) and str(p) for p in paths):
+        raise ValueError(
+            f"offload.nvme_path={value!r}: give a directory for the offloaded state, or a list of directories "
+            "(one per disk), e.g. offload.nvme_path=[/mnt/nvme0/run,/mnt/nvme1/run]"
+        )
+    return [str(p) for p in paths]
 
 
 @dataclass

@@ -63,8 +63,11 @@ def summarize(samples: list[Sample], warmup: int, w: Workload, extra: dict[str, 
 
 def run_deepspeed(w: Workload, disk: str | None) -> dict[str, Any]:
     import deepspeed
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531", "RANK": "0", "WORLD_SIZE": "1",
+    # a free port of its own: two runs on one machine must not meet in one TCPStore
+    port = str(find_free_network_port())
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": "0", "WORLD_SIZE": "1",
                        "LOCAL_RANK": "0"}.items():  # fmt: skip
         os.environ.setdefault(key, value)
     deepspeed.init_distributed(dist_backend="gloo" if w.accelerator == "cpu" else "nccl")
@@ -84,6 +87,7 @@ def run_deepspeed(w: Workload, disk: str | None) -> dict[str, Any]:
             engine.backward(loss)
             engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
         samples.append(sample(disk))
+    torch.distributed.destroy_process_group()  # gloo's threads end here, not in the interpreter's teardown
     return summarize(samples, w.warmup, w, {"params": params, "host_link_per_step": None, "device_link_per_step": None})
 
 

@@ -119,7 +119,7 @@ def run(cfg: TrainConfig, out_dir: Path) -> dict[str, object] | None:
         "checkpoint": str(checkpoint),
         "metrics": str(metrics_csv),
         "plot": str(plot),
-        "state_dir": str(Path(cfg.offload.nvme_path).resolve()),
+        "state_dir": ", ".join(str(Path(p).resolve()) for p in cfg.offload.paths),
     }
     (out_dir / "summary.json").write_text(json.dumps(result, indent=2, default=str))
     return result

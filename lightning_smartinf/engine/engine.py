@@ -33,7 +33,7 @@ from lightning_smartinf.storage.counters import TrafficCounters
 from lightning_smartinf.storage.io import IOBackend, make_backend
 from lightning_smartinf.storage.lock import StateLock
 from lightning_smartinf.storage.space import prepare_directory
-from lightning_smartinf.storage.store import FileStore, HostStore, TensorStore
+from lightning_smartinf.storage.store import FileStore, HostStore, StripedStore, TensorStore, stripe_of
 from lightning_smartinf.update.base import StepContext, Updater
 from lightning_smartinf.update.cpu_adam import load_cpu_adam
 from lightning_smartinf.update.host import HostUpdater
@@ -53,17 +53,18 @@ class StepResult:
 
 def planned_storage_bytes(
     layout: Layout, rule: OptimizerRule | None, cfg: OffloadConfig, itemsize: int, state_here: bool
-) -> int:
-    """Bytes the files under ``nvme_path`` take (each padded to 4 KiB); ``state_here``: master, state and gradients
-    live here too (the host update), rather than in near-storage devices' directories."""
-    total = 0
+) -> list[int]:
+    """Bytes the files under each directory of ``nvme_path`` take (each padded to 4 KiB); ``state_here``: master,
+    state and gradients live here too (the host update), rather than in near-storage devices' directories."""
+    totals = [0] * len(cfg.paths)
     for sg in layout.subgroups:
         fp32 = align_up(sg.numel * 4)
-        total += fp32 * (1 + len(rule.states)) if rule and state_here else 0
+        total = fp32 * (1 + len(rule.states)) if rule and state_here else 0
         total += fp32 if cfg.grads == "nvme" and state_here else 0
         streamed = not layout.blocks[sg.block].resident
         total += align_up(sg.numel * itemsize) if cfg.params == "nvme" and streamed else 0
-    return total
+        totals[stripe_of(sg.key, len(totals))] += total
+    return totals
 
 
 def rank_path(path: str, rank: int, world: int) -> Path:
@@ -119,12 +120,12 @@ class OffloadEngine:
         self.layout = build_layout(model, block_list, groups, offload.subgroup_size, rank, world)
         self.partition = Partition(self.layout)
 
-        root = rank_path(offload.nvme_path, rank, world)
+        roots = [rank_path(path, rank, world) for path in offload.paths]
         host_update = update.backend == "host"
         needed = planned_storage_bytes(self.layout, self.rule, offload, self.itemsize, host_update)
         self._locks: list[StateLock] = []
         try:
-            self._build(root, needed, update)
+            self._build(roots, needed, update)
         except BaseException:
             self._release_locks()
             raise
@@ -141,16 +142,21 @@ class OffloadEngine:
             lock.release()
         self._locks.clear()
 
-    def _build(self, root: Path, needed: int, update: UpdateConfig) -> None:
+    def _build(self, roots: list[Path], needed: list[int], update: UpdateConfig) -> None:
         offload = self.cfg
-        self._lock(root, needed, "offload.nvme_path")
-        self.root = root
-        self.backend: IOBackend = make_backend(
-            offload.io_backend, root, offload.io_threads, offload.aio_intra_op_parallelism,
-            offload.aio_block_size, offload.aio_queue_depth,
-        )  # fmt: skip
-        log.info("smart_infinity storage backend: %s", self.backend.name)
-        disk = FileStore(root, self.backend, self.counters, HOST_LINK)
+        self._backends: list[IOBackend] = []
+        stores = []
+        for index, (root, nbytes) in enumerate(zip(roots, needed, strict=True)):
+            self._lock(root, nbytes, "offload.nvme_path" + (f"[{index}]" if len(roots) > 1 else ""))
+            backend = make_backend(offload.io_backend, root, offload.io_threads, offload.aio_intra_op_parallelism,
+                                   offload.aio_block_size, offload.aio_queue_depth)  # fmt: skip
+            self._backends.append(backend)
+            stores.append(FileStore(root, backend, self.counters, HOST_LINK))
+        self.root = roots[0]
+        self.backend: IOBackend = self._backends[0]
+        log.info("smart_infinity storage backend: %s%s", self.backend.name,
+                 f"; state striped over {len(roots)} directories" if len(roots) > 1 else "")  # fmt: skip
+        disk: FileStore | StripedStore = stores[0] if len(stores) == 1 else StripedStore(stores)
         self.disk = disk
         pin = self.device.type == "cuda"
         param_store: TensorStore = disk if offload.params == "nvme" else HostStore(pin=pin)
@@ -158,7 +164,6 @@ class OffloadEngine:
             self.layout, param_store, self.param_dtype, self.device, offload.prefetch, self.partition
         )
         self.updater: Updater | None = None
-        self._device_backends: list[IOBackend] = []
         if self.rule is not None:
             self.updater = self._make_updater(self.rule, update, disk)
         grad_store: TensorStore = disk if offload.grads == "nvme" else HostStore()
@@ -169,7 +174,7 @@ class OffloadEngine:
         self._initialize()
 
     # -- set-up -------------------------------------------------------------------------------------------------
-    def _make_updater(self, rule: OptimizerRule, update: UpdateConfig, disk: FileStore) -> Updater:
+    def _make_updater(self, rule: OptimizerRule, update: UpdateConfig, disk: FileStore | StripedStore) -> Updater:
         if update.backend == "host":
             kernel = load_cpu_adam(update.host_adam) if rule.name in ("adam", "adamw") else None
             return HostUpdater(rule, disk, self.layout.max_subgroup_numel, self.cfg.step_lookahead, kernel)
@@ -185,7 +190,7 @@ class OffloadEngine:
             self._lock(directory, needed, f"update.devices[{link.removeprefix('device')}].path")
             backend = make_backend(cfg.io_backend, directory, cfg.io_threads, cfg.aio_intra_op_parallelism,
                                    cfg.aio_block_size, cfg.aio_queue_depth)  # fmt: skip
-            self._device_backends.append(backend)
+            self._backends.append(backend)
             return FileStore(directory, backend, self.counters, link)
 
         on_device = cfg.grads == "nvme"
@@ -412,6 +417,6 @@ class OffloadEngine:
         unwrap_blocks(self.block_modules)
         if self.updater is not None:
             self.updater.close()
-        for backend in (self.backend, *self._device_backends):
+        for backend in self._backends:
             backend.close()
         self._release_locks()

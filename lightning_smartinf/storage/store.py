@@ -7,6 +7,7 @@ counters are keyed by. ``FileStore`` keeps one file per name (one writer per fil
 
 from __future__ import annotations
 
+import zlib
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Protocol
@@ -64,6 +65,45 @@ class FileStore:
 
     def exists(self, kind: str, key: str) -> bool:
         return self.path(kind, key).exists()
+
+    @property
+    def roots(self) -> list[Path]:
+        return [self.root]
+
+
+def stripe_of(key: str, stripes: int) -> int:
+    """The stripe holding ``key``: subgroups ``sgN`` round-robin (so the step's read-ahead alternates disks), other
+    names by a stable hash."""
+    digits = key[2:]
+    return int(digits) % stripes if key.startswith("sg") and digits.isdigit() else zlib.crc32(key.encode()) % stripes
+
+
+class StripedStore:
+    """Files spread over several directories, one per disk (``offload.nvme_path`` as a list): each name lives in
+    the stripe ``stripe_of`` picks, so consecutive subgroups are read and written on different disks at once."""
+
+    def __init__(self, stores: list[FileStore]) -> None:
+        self.stores = stores
+        self.root = stores[0].root
+
+    def _store(self, key: str) -> FileStore:
+        return self.stores[stripe_of(key, len(self.stores))]
+
+    def path(self, kind: str, key: str) -> Path:
+        return self._store(key).path(kind, key)
+
+    def read(self, kind: str, key: str, buffer: torch.Tensor, payload: int) -> Future[None]:
+        return self._store(key).read(kind, key, buffer, payload)
+
+    def write(self, kind: str, key: str, buffer: torch.Tensor, payload: int) -> Future[None]:
+        return self._store(key).write(kind, key, buffer, payload)
+
+    def exists(self, kind: str, key: str) -> bool:
+        return self._store(key).exists(kind, key)
+
+    @property
+    def roots(self) -> list[Path]:
+        return [store.root for store in self.stores]
 
 
 class RoutedStore:

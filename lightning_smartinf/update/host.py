@@ -16,7 +16,7 @@ import torch
 
 from lightning_smartinf.engine.layout import Subgroup
 from lightning_smartinf.storage.aligned import BufferPool, align_up, typed_view
-from lightning_smartinf.storage.store import FileStore
+from lightning_smartinf.storage.store import FileStore, StripedStore
 from lightning_smartinf.update.base import GradientSource, StepContext
 from lightning_smartinf.update.cpu_adam import DeepSpeedCPUAdamKernel
 from lightning_smartinf.update.optimizers import OptimizerRule, torch_update
@@ -42,7 +42,7 @@ class HostUpdater:
     def __init__(
         self,
         rule: OptimizerRule,
-        store: FileStore,
+        store: FileStore | StripedStore,
         max_subgroup_numel: int,
         lookahead: int,
         adam_kernel: DeepSpeedCPUAdamKernel | None,
@@ -125,7 +125,7 @@ class HostUpdater:
             write.result()
 
     def state_directories(self) -> list[Path]:
-        return [self.store.root]
+        return self.store.roots
 
     def read_master(self, sg: Subgroup) -> torch.Tensor:
         raw = self.pool.acquire(align_up(sg.numel * 4))
