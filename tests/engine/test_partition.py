@@ -130,3 +130,11 @@ def test_a_dead_rank_fails_the_others_quickly_and_clearly(dead: int, tmp_path: P
     survivor = 1 - dead
     assert f"rank {survivor} of 2: reduce-scatter of the gradient of block" in done.stderr
     assert "another rank died or stopped responding" in done.stderr
+
+
+def test_torchrun_starts_the_ranks_instead_of_lightning(tmp_path: Path) -> None:
+    run(tmp_path / "one", "--devices", 1, "--batch", 8)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(RUN), str(tmp_path / "two")]
+    done = subprocess.run([*launch, "--devices", "2", "--batch", "4"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert max_relative(masters(tmp_path / "one"), masters(tmp_path / "two")) < 1e-5
