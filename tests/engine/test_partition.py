@@ -7,6 +7,8 @@ ranks resumes bit for bit on 2 ranks; a rank that dies makes the run fail, namin
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -21,10 +23,20 @@ from lightning_smartinf.checkpoint.export import consolidated_state_dict
 RUN = Path(__file__).with_name("dp_run.py")
 
 
+def launch(command: list[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` in a session of its own, so that on a timeout every rank it started is killed with it."""
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:  # fmt: skip
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
 def run(out: Path, *args: Any, expect_ok: bool = True) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(
-        [sys.executable, str(RUN), str(out), *map(str, args)], capture_output=True, text=True, timeout=300
-    )
+    done = launch([sys.executable, str(RUN), str(out), *map(str, args)])
     if expect_ok:
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
@@ -134,7 +146,7 @@ def test_a_dead_rank_fails_the_others_quickly_and_clearly(dead: int, tmp_path: P
 
 def test_torchrun_starts_the_ranks_instead_of_lightning(tmp_path: Path) -> None:
     run(tmp_path / "one", "--devices", 1, "--batch", 8)
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(RUN), str(tmp_path / "two")]
-    done = subprocess.run([*launch, "--devices", "2", "--batch", "4"], capture_output=True, text=True, timeout=300)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(RUN), str(tmp_path / "two")]
+    done = launch([*torchrun, "--devices", "2", "--batch", "4"])
     assert done.returncode == 0, done.stderr[-3000:]
     assert max_relative(masters(tmp_path / "one"), masters(tmp_path / "two")) < 1e-5
