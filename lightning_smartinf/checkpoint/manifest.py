@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,8 +243,9 @@ def _recover(target: Path) -> None:
         return
 
 
-def verify_checkpoint(path: Path) -> Manifest:
-    """The checkpoint's manifest, after checking every file's size and SHA-256; raises naming each bad file."""
+def verify_checkpoint(path: Path, select: Callable[[str], bool] | None = None) -> Manifest:
+    """The checkpoint's manifest, after checking every file's size and SHA-256 (or those ``select`` keeps: a rank
+    checks its own slice, not the others'); raises naming each bad file."""
     path = path.absolute()
     if not path.exists():
         _recover(path)
@@ -265,7 +267,8 @@ def verify_checkpoint(path: Path) -> Manifest:
         return None
 
     with ThreadPoolExecutor(max_workers=COPY_THREADS) as pool:
-        for problem in pool.map(lambda item: check(*item), manifest.files.items()):
+        chosen = [item for item in manifest.files.items() if select is None or select(item[0])]
+        for problem in pool.map(lambda item: check(*item), chosen):
             if problem:
                 problems.append(problem)
     if problems:

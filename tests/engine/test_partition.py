@@ -133,6 +133,12 @@ def test_save_on_two_ranks_resumes_exactly_on_two_ranks(tmp_path: Path) -> None:
     refused = run(tmp_path / "split", "--devices", 1, "--steps", 8, "--resume", expect_ok=False)
     assert "holds the state of 2 rank(s)" in refused.stderr and "devices x num_nodes = 2" in refused.stderr
 
+    newest = tmp_path / "split" / "ckpts" / "epoch=1-step=6.ckpt"  # damaged in rank 1's slice: rank 1 names it
+    victim = next((newest / "offload" / "rank1").rglob("exp_avg/sg000000"))
+    victim.write_bytes(b"\0" * victim.stat().st_size)
+    damaged = run(tmp_path / "split", "--steps", 8, "--resume", expect_ok=False)
+    assert "offload/rank1/state0/exp_avg/sg000000: contents altered" in damaged.stderr
+
 
 @pytest.mark.parametrize("dead", [0, 1])
 def test_a_dead_rank_fails_the_others_quickly_and_clearly(dead: int, tmp_path: Path) -> None:
