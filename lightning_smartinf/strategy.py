@@ -264,7 +264,7 @@ class SmartInfinityStrategy(ParallelStrategy):
         machine = measure_machine(self.root_device, self.engine.root, self.engine.backend,
                                   update_rate(self.engine), self.engine.param_dtype,
                                   memory_budget(self.root_device), memory_budget(torch.device("cpu")))  # fmt: skip
-        chosen = plan(work, machine)
+        chosen = self.broadcast(plan(work, machine))  # rank 0's plan for every rank: one schedule, one result
         log.info(chosen.describe())
         self.plan = chosen
         settings = ScheduleConfig("vertical", chosen.micro_batches, chosen.checkpoint_host, chosen.checkpoint_nvme,

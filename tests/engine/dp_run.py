@@ -11,6 +11,7 @@ newest there.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from dataclasses import replace
@@ -105,7 +106,8 @@ def report(args: argparse.Namespace, strategy: SmartInfinityStrategy) -> None:
     assert engine is not None
     masters = strategy.consolidated_state_dict()  # a collective: every rank takes part
     files = [p for p in engine.root.rglob("*") if p.is_file() and not p.name.startswith(".")]
-    record = {"disk_bytes": sum(p.stat().st_size for p in files), "traffic": engine.counters.table()}
+    plan = dataclasses.asdict(strategy.plan) if strategy.plan else None
+    record = {"disk_bytes": sum(p.stat().st_size for p in files), "traffic": engine.counters.table(), "plan": plan}
     (args.out / f"rank{strategy.global_rank}.json").write_text(json.dumps(record))
     if strategy.global_rank == 0:
         torch.save(masters, args.out / "masters.pt")

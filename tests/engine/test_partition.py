@@ -150,6 +150,12 @@ def test_a_dead_rank_fails_the_others_quickly_and_clearly(dead: int, tmp_path: P
     assert "another rank died or stopped responding" in done.stderr
 
 
+def test_schedule_auto_runs_rank_zeros_plan_on_every_rank(tmp_path: Path) -> None:
+    run(tmp_path, "--devices", 2, "--batch", 4, "--schedule", "auto")
+    plans = [json.loads((tmp_path / f"rank{r}.json").read_text())["plan"] for r in range(2)]
+    assert plans[0] is not None and plans[0] == plans[1]
+
+
 def test_torchrun_starts_the_ranks_instead_of_lightning(tmp_path: Path) -> None:
     run(tmp_path / "one", "--devices", 1, "--batch", 8)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(RUN), str(tmp_path / "two")]
