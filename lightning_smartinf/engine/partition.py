@@ -35,9 +35,10 @@ class Partition:
     def _run(self, what: str, call: Callable[[], T]) -> T:
         try:
             return call()
-        except (RuntimeError, dist.DistBackendError) as err:
+        except RuntimeError as err:  # gloo reports a closed peer as a plain RuntimeError; the original is kept
             raise PeerLostError(
-                f"rank {self.rank} of {self.world}: {what} failed: another rank died or stopped responding ({err}). "
+                f"rank {self.rank} of {self.world}: {what} failed, most likely because another rank died or stopped "
+                f"responding ({err}). "
                 "The first error in the other ranks' output says why; resume from the last checkpoint"
             ) from err
 
