@@ -8,6 +8,7 @@ engine) and saves checkpoints as directories holding the offloaded state.
 
 from __future__ import annotations
 
+import atexit
 import io
 import logging
 import shutil
@@ -65,6 +66,13 @@ from lightning_smartinf.schedule.vertical import CheckpointTiers, VerticalSchedu
 from lightning_smartinf.storage.space import human_bytes
 
 log = logging.getLogger(__name__)
+
+
+def _destroy_process_group() -> None:
+    """At exit, before the interpreter tears down: a gloo process group left alive ends the process in
+    std::terminate ("terminate called without an active exception") when its threads are destroyed unjoined."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @dataclass(frozen=True)
@@ -165,6 +173,7 @@ class SmartInfinityStrategy(ParallelStrategy):
             self._process_group_backend = backend
             assert self.cluster_environment is not None
             _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+            atexit.register(_destroy_process_group)
 
     @override
     def model_to_device(self) -> None:
