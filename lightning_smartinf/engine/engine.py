@@ -137,6 +137,15 @@ class OffloadEngine:
         lock.acquire()
         self._locks.append(lock)
 
+    def _open_store(self, directory: Path, needed: int, key: str, link: str) -> FileStore:
+        """Check and lock ``directory`` (config key ``key``), give it its own I/O backend, and count on ``link``."""
+        self._lock(directory, needed, key)
+        cfg = self.cfg
+        backend = make_backend(cfg.io_backend, directory, cfg.io_threads, cfg.aio_intra_op_parallelism,
+                               cfg.aio_block_size, cfg.aio_queue_depth)  # fmt: skip
+        self._backends.append(backend)
+        return FileStore(directory, backend, self.counters, link)
+
     def _release_locks(self) -> None:
         for lock in self._locks:
             lock.release()
@@ -145,13 +154,10 @@ class OffloadEngine:
     def _build(self, roots: list[Path], needed: list[int], update: UpdateConfig) -> None:
         offload = self.cfg
         self._backends: list[IOBackend] = []
-        stores = []
-        for index, (root, nbytes) in enumerate(zip(roots, needed, strict=True)):
-            self._lock(root, nbytes, "offload.nvme_path" + (f"[{index}]" if len(roots) > 1 else ""))
-            backend = make_backend(offload.io_backend, root, offload.io_threads, offload.aio_intra_op_parallelism,
-                                   offload.aio_block_size, offload.aio_queue_depth)  # fmt: skip
-            self._backends.append(backend)
-            stores.append(FileStore(root, backend, self.counters, HOST_LINK))
+        stores = [
+            self._open_store(root, nbytes, "offload.nvme_path" + (f"[{index}]" if len(roots) > 1 else ""), HOST_LINK)
+            for index, (root, nbytes) in enumerate(zip(roots, needed, strict=True))
+        ]
         self.root = roots[0]
         self.backend: IOBackend = self._backends[0]
         log.info("smart_infinity storage backend: %s%s", self.backend.name,
@@ -187,11 +193,7 @@ class OffloadEngine:
         cfg = self.cfg
 
         def make_store(directory: Path, link: str, needed: int) -> FileStore:
-            self._lock(directory, needed, f"update.devices[{link.removeprefix('device')}].path")
-            backend = make_backend(cfg.io_backend, directory, cfg.io_threads, cfg.aio_intra_op_parallelism,
-                                   cfg.aio_block_size, cfg.aio_queue_depth)  # fmt: skip
-            self._backends.append(backend)
-            return FileStore(directory, backend, self.counters, link)
+            return self._open_store(directory, needed, f"update.devices[{link.removeprefix('device')}].path", link)
 
         on_device = cfg.grads == "nvme"
         compressor = None
