@@ -3,8 +3,9 @@
 For each number of micro-batches M, trains a GPT of the given shape for a few optimizer steps under three
 schedules with the same global batch (M micro-batches of ``--micro-batch`` sequences), state on disk, and reports
 the median seconds per optimizer step, tokens/s, parameter bytes read per step, and the roofline bound
-max(compute, disk bytes / measured disk bandwidth) with how close each run gets. Writes a Markdown table and a
-PNG.
+max(compute, disk time) with how close each run gets. Disk time is this iteration's reads over the measured read
+bandwidth plus its writes over the measured write bandwidth (one disk serves both), the bytes counted over the
+measured steps only (the first step reads no optimizer state). Writes a Markdown table and a PNG.
 
     smartinf-schedule-bench --layers 24 --width 1024 --heads 16 --seq 128 --micro-batches 1 2 4 8
 """
@@ -39,15 +40,17 @@ MODES: dict[str, dict[str, Any]] = {
 
 
 class StepTimer(pl.Callback):
-    """Wall time between consecutive optimizer steps."""
+    """Wall time and the host link's read and write bytes at the end of each optimizer step."""
 
     def __init__(self) -> None:
-        self.stamps: list[float] = []
+        self.stamps: list[tuple[float, int, int]] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         engine = trainer.strategy.engine  # type: ignore[attr-defined]
         if not engine.micro_batches:
-            self.stamps.append(time.perf_counter())
+            host = engine.counters
+            self.stamps.append((time.perf_counter(), host.total(link="host", direction="read"),
+                                host.total(link="host", direction="write")))  # fmt: skip
 
 
 def run_mode(cfg: GPTConfig, mode: str, micro_batches: int, args: argparse.Namespace) -> dict[str, float]:
@@ -71,14 +74,17 @@ def run_mode(cfg: GPTConfig, mode: str, micro_batches: int, args: argparse.Names
     engine = strategy.engine
     assert engine is not None
     engine.wait_step()  # an overlapped last step still counts its bytes
-    deltas = [b - a for a, b in zip(timer.stamps[args.warmup - 1 : -1], timer.stamps[args.warmup :], strict=True)]
-    seconds = statistics.median(deltas)
+    window = timer.stamps[args.warmup - 1 :]
+    seconds = statistics.median(b[0] - a[0] for a, b in zip(window[:-1], window[1:], strict=True))
     host = engine.counters
+    # steady state: an overlapped step's I/O that spills into the next interval is balanced by the previous one's
+    read, write = ((window[-1][i] - window[0][i]) / args.steps for i in (1, 2))
     result = {
         "seconds_per_step": seconds,
         "tokens_per_s": args.micro_batch * micro_batches * args.seq / seconds,
         "param_read_bytes_per_step": host.total(link="host", kind="param", direction="read") / steps,
-        "disk_bytes_per_step": host.total(link="host") / steps,
+        "disk_read_bytes_per_step": read,
+        "disk_write_bytes_per_step": write,
         "params": engine.layout.num_params,
     }
     strategy.close()
@@ -103,6 +109,8 @@ def main() -> None:
     parser.add_argument("--out", default="schedule_bench")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES), help="horizontal is the base")
     args = parser.parse_args()
+    if args.warmup < 1 or args.steps < 1:
+        parser.error("--warmup and --steps must be >= 1: the first measured interval starts at a warm-up step's end")
     cfg = GPTConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.width, vocab_size=args.vocab,
                     block_size=args.seq)  # fmt: skip
     out = Path(args.out)
@@ -122,20 +130,24 @@ def main() -> None:
         f"{args.micro_batch}x{args.seq} tokens; measured disk {machine.disk_read / 1e9:.2f} GB/s read, "
         f"{machine.disk_write / 1e9:.2f} GB/s write; matmul {machine.flops / 1e12:.2f} TFLOP/s",
         "",
-        "| M | schedule | s/step | tokens/s | vs horizontal | param GB read/step | disk GB/step | roofline s | "
-        "of roofline |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| M | schedule | s/step | tokens/s | vs horizontal | param GB read/step | disk GB read + written/step | "
+        "compute s | disk s | roofline s | of roofline |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in args.micro_batches:
         base = results["horizontal"][m]["tokens_per_s"]
         for mode in modes:
             r = results[mode][m]
             compute = 8 * params * args.micro_batch * m * args.seq / machine.flops
-            roofline = max(compute, r["disk_bytes_per_step"] / machine.disk_read)
+            read, write = r["disk_read_bytes_per_step"], r["disk_write_bytes_per_step"]
+            disk = read / machine.disk_read + write / machine.disk_write
+            roofline = max(compute, disk)
+            r["roofline_s"] = roofline
             lines.append(
                 f"| {m} | {mode} | {r['seconds_per_step']:.2f} | {r['tokens_per_s']:.0f} | "
                 f"{r['tokens_per_s'] / base:.2f}x | {r['param_read_bytes_per_step'] / 1e9:.2f} | "
-                f"{r['disk_bytes_per_step'] / 1e9:.2f} | {roofline:.2f} | {roofline / r['seconds_per_step']:.0%} |"
+                f"{read / 1e9:.2f} + {write / 1e9:.2f} | {compute:.2f} | {disk:.2f} | {roofline:.2f} | "
+                f"{roofline / r['seconds_per_step']:.0%} |"
             )
     table = "\n".join(lines)
     print(table)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from lightning_smartinf.engine.layout import Layout, ParamSlot, Subgroup, build_
 from lightning_smartinf.engine.loss_scale import DynamicLossScaler
 from lightning_smartinf.engine.params import ParamStreamer
 from lightning_smartinf.engine.partition import Partition
+from lightning_smartinf.engine.stream import UpdateStream
 from lightning_smartinf.schedule.horizontal import find_blocks, unwrap_blocks, wrap_blocks
 from lightning_smartinf.storage.aligned import align_up, aligned_bytes, typed_view
 from lightning_smartinf.storage.counters import TrafficCounters
@@ -111,7 +111,7 @@ class OffloadEngine:
         self._step_thread: threading.Thread | None = None
         self._progress = threading.Condition()
         self._done_elements = 0
-        self._eager: queue.Queue[Subgroup | None] | None = None
+        self._eager: UpdateStream | None = None
         self._eager_norm = 0.0
 
         block_list = find_blocks(model)
@@ -166,16 +166,17 @@ class OffloadEngine:
         self.disk = disk
         pin = self.device.type == "cuda"
         param_store: TensorStore = disk if offload.params == "nvme" else HostStore(pin=pin)
-        self.params = ParamStreamer(
-            self.layout, param_store, self.param_dtype, self.device, offload.prefetch, self.partition
-        )
+        param_allocator = disk.allocator if param_store is disk and not pin else None  # pinned ones need no help
+        self.params = ParamStreamer(self.layout, param_store, self.param_dtype, self.device, offload.prefetch,
+                                    self.partition, param_allocator)  # fmt: skip
         self.updater: Updater | None = None
         if self.rule is not None:
             self.updater = self._make_updater(self.rule, update, disk)
         grad_store: TensorStore = disk if offload.grads == "nvme" else HostStore()
         if isinstance(self.updater, SmartUpdater) and offload.grads == "nvme":
             grad_store = self.updater.gradient_store()
-        self.grads = GradientAccumulator(self.layout, grad_store, offload.step_lookahead)
+        self.grads = GradientAccumulator(self.layout, grad_store, offload.step_lookahead,
+                                         disk.allocator if grad_store is disk else None)  # fmt: skip
         self._grad_flat = aligned_bytes(self.layout.max_block_numel * 4)
         self._initialize()
 
@@ -279,8 +280,8 @@ class OffloadEngine:
         self.wait_step()
         self.step_count += 1
         ctx = StepContext(self.step_count, hyperparameters(self.optimizer))
-        self._eager = queue.Queue()
-        self._run_step_thread(ctx, iter(self._eager.get, None))
+        self._eager = UpdateStream()
+        self._run_step_thread(ctx, self._eager)
 
     def _stream_block(self, index: int) -> None:
         if self._eager is None:
@@ -291,7 +292,7 @@ class OffloadEngine:
         for sg in block.subgroups:
             self._eager.put(sg)
         if block.resident:  # backward is over: the stream is complete
-            self._eager.put(None)
+            self._eager.close()
 
     def step(self) -> StepResult:
         """Apply one optimizer step to every subgroup (or skip it on fp16 overflow), then reset the gradients."""
@@ -419,6 +420,8 @@ class OffloadEngine:
         unwrap_blocks(self.block_modules)
         if self.updater is not None:
             self.updater.close()
+        self.grads.close()
+        self.params.close()
         for backend in self._backends:
             backend.close()
         self._release_locks()

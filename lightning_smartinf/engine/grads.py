@@ -13,19 +13,19 @@ from concurrent.futures import Future
 import torch
 
 from lightning_smartinf.engine.layout import Block, Layout, Subgroup
-from lightning_smartinf.storage.aligned import BufferPool, typed_view
+from lightning_smartinf.storage.aligned import Allocator, BufferPool, typed_view
 from lightning_smartinf.storage.store import TensorStore, done_future
 
 GRAD = "grad"
 
 
 class GradientAccumulator:
-    def __init__(self, layout: Layout, store: TensorStore, lookahead: int) -> None:
+    def __init__(self, layout: Layout, store: TensorStore, lookahead: int, allocator: Allocator | None = None) -> None:
         self.layout = layout
         self.store = store
         max_numel = layout.max_subgroup_numel
         # backward's in-flight writes plus the step's read-ahead
-        self.pool = BufferPool(lookahead + 3, max_numel * 4)
+        self.pool = BufferPool(lookahead + 3, max_numel * 4, allocator=allocator)
         self._held: dict[int, torch.Tensor] = {}
         self._written: set[int] = set()
         self._norms: dict[int, torch.Tensor] = {}
@@ -87,6 +87,11 @@ class GradientAccumulator:
 
     def release(self, sg: Subgroup) -> None:
         self.pool.release(self._held.pop(sg.index))
+
+    def close(self) -> None:
+        """Wait for gradient writes, then give the buffers back (the engine is closing)."""
+        self.sync()
+        self.pool.close()
 
     def reset(self) -> None:
         """Forget the accumulated gradients (after a step, applied or skipped)."""

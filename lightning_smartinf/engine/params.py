@@ -15,7 +15,7 @@ import torch
 
 from lightning_smartinf.engine.layout import Block, Layout, Subgroup
 from lightning_smartinf.engine.partition import Partition
-from lightning_smartinf.storage.aligned import BufferPool, typed_view
+from lightning_smartinf.storage.aligned import Allocator, BufferPool, typed_view
 from lightning_smartinf.storage.store import TensorStore
 
 PARAM = "param"
@@ -30,6 +30,7 @@ class ParamStreamer:
         device: torch.device,
         prefetch: int,
         partition: Partition | None = None,
+        allocator: Allocator | None = None,
     ) -> None:
         self.layout = layout
         self.partition = partition or Partition(layout)
@@ -38,8 +39,8 @@ class ParamStreamer:
         self.device = device
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         pin = device.type == "cuda"
-        self.pool = BufferPool(prefetch + 2, layout.max_block_numel * self.itemsize, pin=pin)
-        self.out_pool = BufferPool(3, layout.max_subgroup_numel * self.itemsize, pin=pin)
+        self.pool = BufferPool(prefetch + 2, layout.max_block_numel * self.itemsize, pin=pin, allocator=allocator)
+        self.out_pool = BufferPool(3, layout.max_subgroup_numel * self.itemsize, pin=pin, allocator=allocator)
         self._loading: dict[int, tuple[torch.Tensor, list[Future[None]]]] = {}
         self._live: dict[int, torch.Tensor] = {}
         self._pending_writes: list[Future[None]] = []
@@ -135,6 +136,13 @@ class ParamStreamer:
                 read.result()
             self.pool.release(raw)
         self._loading.clear()
+
+    def close(self) -> None:
+        """Release every block, wait for parameter writes, then give the buffers back (the engine is closing)."""
+        self.release_all()
+        self.flush()
+        self.pool.close()
+        self.out_pool.close()
 
     # -- after the step -----------------------------------------------------------------------------------------
     def store_update(self, sg: Subgroup, master: torch.Tensor) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mmap
 import threading
+from typing import Protocol
 
 import torch
 
@@ -36,16 +37,39 @@ def typed_view(raw: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tenso
     return raw[: numel * itemsize].view(dtype)
 
 
+class Allocator(Protocol):
+    """Where I/O buffers come from. An I/O backend may have memory of its own that it reads and writes in place."""
+
+    def allocate(self, nbytes: int) -> torch.Tensor: ...
+
+    def free(self, buffer: torch.Tensor) -> None: ...
+
+
+class PageAligned:
+    """Anonymous page-aligned memory (``aligned_bytes``); the garbage collector frees it."""
+
+    def __init__(self, pin: bool = False) -> None:
+        self.pin = pin
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        return aligned_bytes(nbytes, pin=self.pin)
+
+    def free(self, buffer: torch.Tensor) -> None:
+        pass
+
+
 class BufferPool:
     """A fixed set of equally sized aligned buffers; ``acquire`` blocks until one is free (back-pressure)."""
 
-    def __init__(self, count: int, nbytes: int, pin: bool = False) -> None:
+    def __init__(self, count: int, nbytes: int, pin: bool = False, allocator: Allocator | None = None) -> None:
         if count < 1:
             raise ValueError(f"BufferPool needs at least one buffer, got count={count}")
         self.nbytes = align_up(nbytes)
-        self._free = [aligned_bytes(self.nbytes, pin=pin) for _ in range(count)]
+        self._allocator = allocator or PageAligned(pin)
+        self._free = [self._allocator.allocate(self.nbytes) for _ in range(count)]
         self.count = count
         self._cond = threading.Condition()
+        self._closed = False
 
     @property
     def total_bytes(self) -> int:
@@ -55,17 +79,22 @@ class BufferPool:
         if nbytes > self.nbytes:
             raise ValueError(f"request of {nbytes} bytes exceeds the pool's buffer size {self.nbytes}")
         with self._cond:
-            while not self._free:
+            while not self._free and not self._closed:
                 self._cond.wait()
+            if self._closed:
+                raise RuntimeError("this buffer pool was closed with its engine")
             return self._free.pop()
 
     def try_acquire(self) -> torch.Tensor | None:
         """A free buffer, or None at once when all are in use (for optional work such as prefetch)."""
         with self._cond:
-            return self._free.pop() if self._free else None
+            return self._free.pop() if self._free and not self._closed else None
 
     def release(self, buffer: torch.Tensor) -> None:
         with self._cond:
+            if self._closed:  # handed back after close (a late write-back): free it now
+                self._allocator.free(buffer)
+                return
             self._free.append(buffer)
             self._cond.notify()
 
@@ -73,3 +102,13 @@ class BufferPool:
     def available(self) -> int:
         with self._cond:
             return len(self._free)
+
+    def close(self) -> None:
+        """Return the buffers to their allocator. Call when none is in use any more; one still out is left to
+        leak rather than be freed under its user."""
+        with self._cond:
+            free, self._free = self._free, []
+            self._closed = True
+            self._cond.notify_all()
+        for buffer in free:
+            self._allocator.free(buffer)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -18,7 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from lightning_smartinf.ops import load_op
-from lightning_smartinf.storage.aligned import ALIGNMENT, aligned_bytes
+from lightning_smartinf.storage.aligned import ALIGNMENT, Allocator, PageAligned, align_up, aligned_bytes
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ def bytes_view(buffer: torch.Tensor) -> memoryview:
 class IOBackend(Protocol):
     name: str
     direct: bool
+    allocator: Allocator
 
     def read(self, path: Path, buffer: torch.Tensor) -> Future[None]: ...
 
@@ -63,6 +65,7 @@ class ThreadPoolIO:
 
     def __init__(self, threads: int, direct: bool) -> None:
         self.direct = direct
+        self.allocator: Allocator = PageAligned()
         self.name = f"threads(pread/pwrite{', O_DIRECT' if direct else ', buffered'}, {threads} threads)"
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="smartinf-io")
         self._flag = os.O_DIRECT if direct else 0
@@ -100,6 +103,57 @@ class ThreadPoolIO:
         self._pool.shutdown(wait=True)
 
 
+CAP_IPC_LOCK = 14
+
+
+def may_lock(nbytes: int) -> bool:
+    """Whether this process may page-lock ``nbytes`` more: RLIMIT_MEMLOCK allows it or CAP_IPC_LOCK lifts it."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY or nbytes <= soft:
+        return True
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return False
+    caps = next((line.split()[1] for line in status.splitlines() if line.startswith("CapEff:")), "0")
+    return bool(int(caps, 16) >> CAP_IPC_LOCK & 1)
+
+
+class PageLocked:
+    """Page-locked buffers from DeepSpeed's pinned-tensor manager (one per process, shared by all handles).
+
+    DeepSpeed's aio reads and writes a CPU buffer in place only when it is torch-pinned or one of these; any other
+    buffer goes through a bounce buffer that is allocated, mlocked, copied and unlocked on every request, which
+    costs CPU time that training needs (measured: GPT-350M vertical iterations 1.4x faster with these)."""
+
+    def __init__(self, module: Any, handle_args: tuple[Any, ...]) -> None:
+        self._handle = module.aio_handle(*handle_args)
+        self._locked: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._warned = False
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        size = max(align_up(nbytes), ALIGNMENT)
+        with self._lock:
+            if not may_lock(sum(self._locked.values()) + size):
+                if not self._warned:
+                    self._warned = True
+                    soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+                    log.warning("the page-locked memory limit (ulimit -l: %d KiB) is below the engine's I/O buffers: "
+                                "DeepSpeed's aio copies every request through a bounce buffer, which is slower; "
+                                "raise it (ulimit -l unlimited, or memlock in /etc/security/limits.conf)",
+                                soft // 1024)  # fmt: skip
+                return aligned_bytes(size)
+            buffer = self._handle.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
+            self._locked[buffer.data_ptr()] = size
+        return buffer  # type: ignore[no-any-return]
+
+    def free(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            if self._locked.pop(buffer.data_ptr(), None) is not None:
+                self._handle.free_cpu_locked_tensor(buffer)
+
+
 class DeepSpeedAIO:
     """DeepSpeed's ``aio_handle`` (libaio, O_DIRECT), one handle per worker thread."""
 
@@ -111,6 +165,7 @@ class DeepSpeedAIO:
         self._module: Any = load_op(AsyncIOBuilder())
         self._handle_args = (block_size, queue_depth, False, True, intra_op_parallelism)
         self._first_write(directory)
+        self.allocator: Allocator = PageLocked(self._module, self._handle_args)
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="smartinf-aio")
         self.direct = True

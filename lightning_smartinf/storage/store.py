@@ -14,9 +14,9 @@ from typing import Protocol
 
 import torch
 
-from lightning_smartinf.storage.aligned import align_up, aligned_bytes
+from lightning_smartinf.storage.aligned import Allocator, align_up, aligned_bytes
 from lightning_smartinf.storage.counters import READ, WRITE, TrafficCounters
-from lightning_smartinf.storage.io import IOBackend
+from lightning_smartinf.storage.io import IOBackend, PageLocked
 
 
 def done_future() -> Future[None]:
@@ -70,6 +70,11 @@ class FileStore:
     def roots(self) -> list[Path]:
         return [self.root]
 
+    @property
+    def allocator(self) -> Allocator:
+        """Where buffers for this store's reads and writes should come from."""
+        return self.backend.allocator
+
 
 def stripe_of(key: str, stripes: int) -> int:
     """The stripe holding ``key``: subgroups ``sgN`` round-robin (so the step's read-ahead alternates disks), other
@@ -104,6 +109,12 @@ class StripedStore:
     @property
     def roots(self) -> list[Path]:
         return [store.root for store in self.stores]
+
+    @property
+    def allocator(self) -> Allocator:
+        """Page-locked memory serves every stripe (any backend can use it); plain memory when no stripe has it."""
+        allocators = [store.allocator for store in self.stores]
+        return next((a for a in allocators if isinstance(a, PageLocked)), allocators[0])
 
 
 class RoutedStore:

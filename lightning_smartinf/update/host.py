@@ -53,7 +53,7 @@ class HostUpdater:
         self.adam_kernel = adam_kernel
         kinds_per_sg = 1 + len(rule.states)
         # in flight: `lookahead` being read, one updating, one being written back
-        self.pool = BufferPool((lookahead + 2) * kinds_per_sg, max_subgroup_numel * 4)
+        self.pool = BufferPool((lookahead + 2) * kinds_per_sg, max_subgroup_numel * 4, allocator=store.allocator)
         kernel = "deepspeed cpu_adam" if adam_kernel and rule.name in ("adam", "adamw") else f"torch {rule.name}"
         self.name = f"host ({kernel})"
 
@@ -136,5 +136,6 @@ class HostUpdater:
             self.pool.release(raw)
 
     def close(self) -> None:
+        self.pool.close()
         if self.adam_kernel is not None:
             self.adam_kernel.close()

@@ -53,3 +53,67 @@ def test_pool_gives_back_pressure() -> None:
     assert pool.try_acquire() is not None
     with pytest.raises(ValueError, match="exceeds"):
         pool.acquire(10_000)
+
+
+def aio_is_pinned(buffer: torch.Tensor) -> bool:
+    """DeepSpeed's own answer: whether its aio reads and writes ``buffer`` in place (no per-request bounce buffer)."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    from lightning_smartinf.ops import load_op
+
+    return bool(load_op(AsyncIOBuilder()).aio_handle(1 << 20, 8, False, True, 1).is_pinned(buffer))
+
+
+def test_aio_pools_get_buffers_deepspeed_uses_in_place(tmp_path: Path) -> None:
+    backend = make_backend("aio", tmp_path, threads=2, intra_op_parallelism=1, block_size=1 << 20, queue_depth=8)
+    store = FileStore(tmp_path, backend, TrafficCounters(), link="host")
+    pool = BufferPool(2, 10_000, allocator=store.allocator)
+    out, back = pool.acquire(10_000), pool.acquire(10_000)
+    assert out.data_ptr() % 4096 == 0 and aio_is_pinned(out) and aio_is_pinned(out[:4096])
+    assert not aio_is_pinned(aligned_bytes(4096))  # plain memory: DeepSpeed would copy through a bounce buffer
+    typed_view(out, torch.float32, 2500).copy_(torch.arange(2500, dtype=torch.float32))
+    store.write("master", "sg000000", out, 10_000).result()
+    store.read("master", "sg000000", back, 10_000).result()
+    assert torch.equal(typed_view(back, torch.float32, 2500), torch.arange(2500, dtype=torch.float32))
+    pool.release(out)
+    pool.release(back)
+    pool.close()
+    backend.close()
+
+
+def test_without_page_lock_allowance_buffers_are_plain_and_it_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import lightning_smartinf.storage.io as io
+
+    monkeypatch.setattr(io, "may_lock", lambda nbytes: False)
+    backend = make_backend("aio", tmp_path, threads=1, intra_op_parallelism=1, block_size=1 << 20, queue_depth=8)
+    with caplog.at_level("WARNING"):
+        buffers = [backend.allocator.allocate(8192) for _ in range(2)]
+    assert not any(aio_is_pinned(b) for b in buffers)
+    assert sum("ulimit -l" in r.message for r in caplog.records) == 1  # said once
+    backend.close()
+
+
+class Recording:
+    def __init__(self) -> None:
+        self.freed = 0
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        return aligned_bytes(nbytes)
+
+    def free(self, buffer: torch.Tensor) -> None:
+        self.freed += 1
+
+
+def test_a_closed_pool_frees_its_buffers_and_refuses_more() -> None:
+    allocator = Recording()
+    pool = BufferPool(3, 4096, allocator=allocator)
+    late = pool.acquire(10)
+    pool.close()
+    assert allocator.freed == 2  # the one still out is not freed under its user
+    pool.release(late)  # a write-back finishing after close: freed then
+    assert allocator.freed == 3
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.acquire(10)
+    assert pool.try_acquire() is None
