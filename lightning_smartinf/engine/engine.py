@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,7 +27,6 @@ from lightning_smartinf.engine.layout import Layout, ParamSlot, Subgroup, build_
 from lightning_smartinf.engine.loss_scale import DynamicLossScaler
 from lightning_smartinf.engine.params import ParamStreamer
 from lightning_smartinf.engine.partition import Partition
-from lightning_smartinf.engine.stream import UpdateStream
 from lightning_smartinf.schedule.horizontal import find_blocks, unwrap_blocks, wrap_blocks
 from lightning_smartinf.storage.aligned import align_up, aligned_bytes, typed_view
 from lightning_smartinf.storage.counters import TrafficCounters
@@ -111,7 +111,7 @@ class OffloadEngine:
         self._step_thread: threading.Thread | None = None
         self._progress = threading.Condition()
         self._done_elements = 0
-        self._eager: UpdateStream | None = None
+        self._eager: queue.Queue[Subgroup | None] | None = None
         self._eager_norm = 0.0
 
         block_list = find_blocks(model)
@@ -280,8 +280,8 @@ class OffloadEngine:
         self.wait_step()
         self.step_count += 1
         ctx = StepContext(self.step_count, hyperparameters(self.optimizer))
-        self._eager = UpdateStream()
-        self._run_step_thread(ctx, self._eager)
+        self._eager = queue.Queue()
+        self._run_step_thread(ctx, iter(self._eager.get, None))
 
     def _stream_block(self, index: int) -> None:
         if self._eager is None:
@@ -292,7 +292,7 @@ class OffloadEngine:
         for sg in block.subgroups:
             self._eager.put(sg)
         if block.resident:  # backward is over: the stream is complete
-            self._eager.close()
+            self._eager.put(None)
 
     def step(self) -> StepResult:
         """Apply one optimizer step to every subgroup (or skip it on fp16 overflow), then reset the gradients."""
