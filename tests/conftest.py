@@ -90,3 +90,12 @@ def smart(tmp_path: Path) -> Callable[..., lightning_smartinf.SmartInfinityStrat
 
     build.root = tmp_path  # type: ignore[attr-defined]
     return build
+
+
+def aio_is_pinned(buffer: torch.Tensor) -> bool:
+    """DeepSpeed's own answer: whether its aio reads and writes ``buffer`` in place (no per-request bounce buffer)."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    from lightning_smartinf.ops import load_op
+
+    return bool(load_op(AsyncIOBuilder()).aio_handle(1 << 20, 8, False, True, 1).is_pinned(buffer))

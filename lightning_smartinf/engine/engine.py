@@ -175,8 +175,8 @@ class OffloadEngine:
         grad_store: TensorStore = disk if offload.grads == "nvme" else HostStore()
         if isinstance(self.updater, SmartUpdater) and offload.grads == "nvme":
             grad_store = self.updater.gradient_store()
-        self.grads = GradientAccumulator(self.layout, grad_store, offload.step_lookahead,
-                                         disk.allocator if grad_store is disk else None)  # fmt: skip
+        grad_allocator = None if isinstance(grad_store, HostStore) else disk.allocator  # any page-locked one serves
+        self.grads = GradientAccumulator(self.layout, grad_store, offload.step_lookahead, grad_allocator)
         self._grad_flat = aligned_bytes(self.layout.max_block_numel * 4)
         self._initialize()
 

@@ -26,7 +26,7 @@ import torch
 from lightning_smartinf.compress.topk import VALUE_DTYPES, SparseGradient, TopKCompressor, max_nnz
 from lightning_smartinf.config import CompressionConfig
 from lightning_smartinf.engine.layout import Layout, Subgroup
-from lightning_smartinf.storage.aligned import align_up, aligned_bytes, typed_view
+from lightning_smartinf.storage.aligned import Allocator, align_up, aligned_bytes, typed_view
 from lightning_smartinf.storage.counters import READ, WRITE, TrafficCounters
 from lightning_smartinf.storage.store import FileStore, RoutedStore
 from lightning_smartinf.update.base import GradientSource, StepContext
@@ -69,13 +69,14 @@ class _Slot:
     """One fixed set of device buffers: master, optimizer state, gradient in, parameters out."""
 
     def __init__(self, cl: Any, context: Any, rule: OptimizerRule, numel: int, grad_dtype: torch.dtype,
-                 param_dtype: torch.dtype, max_nnz: int) -> None:  # fmt: skip
+                 param_dtype: torch.dtype, max_nnz: int, allocator: Allocator) -> None:  # fmt: skip
         sizes = {k: 4 * numel for k in (MASTER, *rule.state_kinds)}
         sizes["grad"] = torch.empty((), dtype=grad_dtype).element_size() * numel
         sizes["param"] = torch.empty((), dtype=param_dtype).element_size() * numel
         if max_nnz:  # SmartComp: int32 indices and 16-bit values in, decompressed into "grad"
             sizes[INDEX], sizes[VALUE] = 4 * max_nnz, 2 * max_nnz
-        self.host = {kind: aligned_bytes(size) for kind, size in sizes.items()}
+        self.allocator = allocator  # the device store's: page-locked, so its aio reads and writes need no bounce
+        self.host = {kind: allocator.allocate(size) for kind, size in sizes.items()}
         flags = cl.mem_flags.READ_WRITE | cl.mem_flags.USE_HOST_PTR
         self.buffers = {kind: cl.Buffer(context, flags, hostbuf=raw.numpy()) for kind, raw in self.host.items()}
         self.maps: list[Any] = []
@@ -99,6 +100,18 @@ class _Slot:
         for write in writes:
             write.result()
 
+    def close(self, queue_: Any) -> None:
+        """Unmap and release the device buffers, then free the host memory under them."""
+        self.wait_writes()
+        self.unmap(queue_)
+        queue_.finish()
+        for buffer in self.buffers.values():
+            buffer.release()
+        self.buffers = {}
+        for raw in self.host.values():
+            self.allocator.free(raw)
+        self.host = {}
+
 
 @dataclass
 class _Job:
@@ -109,6 +122,10 @@ class _Job:
     ctx: StepContext
     sparse: SparseGradient | None
     kernel_args: list[Any] = field(default_factory=list)
+
+
+_STOP: Any = object()
+"""Put in a device's inbox by ``close``: its transfer handler ends."""
 
 
 class NearStorageDevice:
@@ -136,7 +153,8 @@ class NearStorageDevice:
             sparse = build_program(self.context, self.device, values, values, None, SPARSE_SOURCE)
             self.zero_fill, self.scatter = sparse.zero_fill, sparse.scatter
             nnz = max_nnz(max_numel, compression)
-        self.slots = [_Slot(cl, self.context, rule, max_numel, grad_dtype, param_dtype, nnz) for _ in range(2)]
+        self.slots = [_Slot(cl, self.context, rule, max_numel, grad_dtype, param_dtype, nnz, store.allocator)
+                      for _ in range(2)]  # fmt: skip
         for slot in self.slots:
             slot.map(cl, self.queue)
         self.grad_dtype, self.param_dtype = grad_dtype, param_dtype
@@ -160,6 +178,8 @@ class NearStorageDevice:
         turn = 0
         while True:
             job = self.inbox.get()
+            if job is _STOP:
+                return
             try:
                 if job is None:  # end of a step: finish the subgroup in flight
                     if previous is not None:
@@ -237,6 +257,14 @@ class NearStorageDevice:
     def drain(self) -> None:
         for slot in self.slots:
             slot.wait_writes()
+
+    def close(self) -> None:
+        """Stop the transfer handler, then free the slots (their memory is page-locked)."""
+        self.inbox.put(_STOP)
+        self._thread.join()
+        for slot in self.slots:
+            slot.close(self.queue)
+        self.slots = []
 
 
 def device_specs(devices: Any) -> list[DeviceSpec]:
@@ -366,3 +394,5 @@ class SmartUpdater:
     def close(self) -> None:
         for device in self.devices:
             device.drain()
+        for device in self.devices:
+            device.close()

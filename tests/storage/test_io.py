@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import aio_is_pinned
 
 from lightning_smartinf.storage.aligned import BufferPool, aligned_bytes, typed_view
 from lightning_smartinf.storage.counters import READ, WRITE, TrafficCounters
@@ -53,15 +54,6 @@ def test_pool_gives_back_pressure() -> None:
     assert pool.try_acquire() is not None
     with pytest.raises(ValueError, match="exceeds"):
         pool.acquire(10_000)
-
-
-def aio_is_pinned(buffer: torch.Tensor) -> bool:
-    """DeepSpeed's own answer: whether its aio reads and writes ``buffer`` in place (no per-request bounce buffer)."""
-    from deepspeed.ops.op_builder import AsyncIOBuilder
-
-    from lightning_smartinf.ops import load_op
-
-    return bool(load_op(AsyncIOBuilder()).aio_handle(1 << 20, 8, False, True, 1).is_pinned(buffer))
 
 
 def test_aio_pools_get_buffers_deepspeed_uses_in_place(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import fit, make_module, relative_error, token_loader
+from conftest import aio_is_pinned, fit, make_module, relative_error, token_loader
 
 from lightning_smartinf.cli.traffic import Scenario, iteration_traffic
 from lightning_smartinf.models.gpt import GPTConfig
@@ -146,3 +146,14 @@ def test_16bit_wire_needs_16bit_training(smart) -> None:
     with pytest.raises(ValueError, match="update.wire=16bit needs a 16-bit training precision"):
         fit(make_module(), smart(grads="cpu", update={"backend": "smart", "wire": "16bit"}), precision="32-true",
             max_steps=1)  # fmt: skip
+
+
+def test_device_buffers_are_page_locked_and_freed_at_close(smart) -> None:
+    """With the aio backend the devices' slot memory is DeepSpeed-pinned (no bounce buffer per request), and
+    closing the strategy stops each device's handler and frees its slots."""
+    strategy = smart(io_backend="aio", update={"backend": "smart", "devices": 2})
+    trainer = fit(make_module("adamw", lr=1e-3), strategy, precision="32-true", max_steps=2)
+    devices = trainer.strategy.engine.updater.devices
+    assert all(aio_is_pinned(raw) for d in devices for slot in d.slots for raw in slot.host.values())
+    trainer.strategy.close()
+    assert all(not d.slots and not d._thread.is_alive() for d in devices)
