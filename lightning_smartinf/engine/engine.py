@@ -166,9 +166,8 @@ class OffloadEngine:
         self.disk = disk
         pin = self.device.type == "cuda"
         param_store: TensorStore = disk if offload.params == "nvme" else HostStore(pin=pin)
-        param_allocator = disk.allocator if param_store is disk and not pin else None  # pinned ones need no help
         self.params = ParamStreamer(self.layout, param_store, self.param_dtype, self.device, offload.prefetch,
-                                    self.partition, param_allocator)  # fmt: skip
+                                    self.partition, disk.allocator if param_store is disk else None)  # fmt: skip
         self.updater: Updater | None = None
         if self.rule is not None:
             self.updater = self._make_updater(self.rule, update, disk)

@@ -15,7 +15,7 @@ import torch
 
 from lightning_smartinf.engine.layout import Block, Layout, Subgroup
 from lightning_smartinf.engine.partition import Partition
-from lightning_smartinf.storage.aligned import Allocator, BufferPool, typed_view
+from lightning_smartinf.storage.aligned import Allocator, BufferPool, PageAligned, typed_view
 from lightning_smartinf.storage.store import TensorStore
 
 PARAM = "param"
@@ -38,9 +38,10 @@ class ParamStreamer:
         self.dtype = dtype
         self.device = device
         self.itemsize = torch.empty((), dtype=dtype).element_size()
-        pin = device.type == "cuda"
-        self.pool = BufferPool(prefetch + 2, layout.max_block_numel * self.itemsize, pin=pin, allocator=allocator)
-        self.out_pool = BufferPool(3, layout.max_subgroup_numel * self.itemsize, pin=pin, allocator=allocator)
+        if device.type == "cuda":  # CUDA-pinned for async copies to the device; DeepSpeed's aio takes it in place too
+            allocator = PageAligned(pin=True)
+        self.pool = BufferPool(prefetch + 2, layout.max_block_numel * self.itemsize, allocator)
+        self.out_pool = BufferPool(3, layout.max_subgroup_numel * self.itemsize, allocator)
         self._loading: dict[int, tuple[torch.Tensor, list[Future[None]]]] = {}
         self._live: dict[int, torch.Tensor] = {}
         self._pending_writes: list[Future[None]] = []

@@ -61,11 +61,11 @@ class PageAligned:
 class BufferPool:
     """A fixed set of equally sized aligned buffers; ``acquire`` blocks until one is free (back-pressure)."""
 
-    def __init__(self, count: int, nbytes: int, pin: bool = False, allocator: Allocator | None = None) -> None:
+    def __init__(self, count: int, nbytes: int, allocator: Allocator | None = None) -> None:
         if count < 1:
             raise ValueError(f"BufferPool needs at least one buffer, got count={count}")
         self.nbytes = align_up(nbytes)
-        self._allocator = allocator or PageAligned(pin)
+        self._allocator = allocator or PageAligned()
         self._free = [self._allocator.allocate(self.nbytes) for _ in range(count)]
         self.count = count
         self._cond = threading.Condition()
