@@ -1,11 +1,17 @@
 """``smartinf-schedule-bench``: horizontal vs vertical vs vertical + overlap, same global batch, one run.
 
-For each number of micro-batches M, trains a GPT of the given shape for a few optimizer steps under three
-schedules with the same global batch (M micro-batches of ``--micro-batch`` sequences), state on disk, and reports
-the median seconds per optimizer step, tokens/s, parameter bytes read per step, and the roofline bound
-max(compute, disk time) with how close each run gets. Disk time is this iteration's reads over the measured read
-bandwidth plus its writes over the measured write bandwidth (one disk serves both), the bytes counted over the
-measured steps only (the first step reads no optimizer state). Writes a Markdown table and a PNG.
+For each number of micro-batches M, trains a GPT of the given shape for a few optimizer steps under each schedule
+with the same global batch (M micro-batches of ``--micro-batch`` sequences), state on disk, and reports the median
+seconds per optimizer step, tokens/s, parameter bytes read per step, and the roofline bound max(compute, disk time)
+with how close each run gets:
+
+- compute: the same run with its state directory in RAM (``--ram-path``, a tmpfs): everything the step does but
+  wait for the disk (on a CPU-only machine that includes the optimizer math and the copies, on the same cores);
+- disk time: the iteration's bytes, counted over the measured steps only, at the disk's speed measured just before
+  the run (``storage.probe.measure_disk``: reads alone, writes alone and both at once, sustained over
+  ``--probe-gb``).
+
+Writes a Markdown table, a JSON file and a PNG.
 
     smartinf-schedule-bench --layers 24 --width 1024 --heads 16 --seq 128 --micro-batches 1 2 4 8
 """
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -25,7 +32,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_smartinf.models.gpt import GPTConfig, GPTModule
-from lightning_smartinf.schedule.planner import probe_machine
+from lightning_smartinf.storage.counters import TrafficCounters
+from lightning_smartinf.storage.io import make_backend
+from lightning_smartinf.storage.probe import DiskSpeeds, measure_disk
+from lightning_smartinf.storage.store import FileStore
 from lightning_smartinf.strategy import SmartInfinityStrategy
 
 matplotlib.use("Agg")
@@ -53,7 +63,19 @@ class StepTimer(pl.Callback):
                                 host.total(link="host", direction="write")))  # fmt: skip
 
 
-def run_mode(cfg: GPTConfig, mode: str, micro_batches: int, args: argparse.Namespace) -> dict[str, float]:
+def probe_disk(directory: Path, nbytes: int) -> DiskSpeeds:
+    """The disk under ``directory`` through the engine's default I/O backend."""
+    backend = make_backend("auto", directory, 4, 1, 1 << 20, 32)
+    try:
+        return measure_disk(FileStore(directory, backend, TrafficCounters(), "probe"), nbytes)
+    finally:
+        backend.close()
+
+
+def run_mode(
+    cfg: GPTConfig, mode: str, micro_batches: int, args: argparse.Namespace, nvme_path: str
+) -> dict[str, float]:
+    """Train ``args.warmup + args.steps`` steps with state under ``nvme_path``; seconds and bytes per measured step."""
     torch.manual_seed(0)
     module = GPTModule(cfg, lr=1e-4)
     vertical = mode != "horizontal"
@@ -62,7 +84,7 @@ def run_mode(cfg: GPTConfig, mode: str, micro_batches: int, args: argparse.Names
     steps = args.warmup + args.steps
     data = torch.randint(0, 256, (batch * steps * (1 if vertical else micro_batches), args.seq + 1))
     strategy = SmartInfinityStrategy(
-        offload={"nvme_path": args.nvme_path, "subgroup_size": args.subgroup_size}, schedule=schedule
+        offload={"nvme_path": nvme_path, "subgroup_size": args.subgroup_size}, schedule=schedule
     )
     timer = StepTimer()
     trainer = pl.Trainer(
@@ -105,49 +127,61 @@ def main() -> None:
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--subgroup-size", type=int, default=1 << 24)
-    parser.add_argument("--nvme-path", default="smartinf_state_bench")
+    parser.add_argument("--nvme-path", default="smartinf_state_bench", help="state directory on the disk measured")
+    parser.add_argument(
+        "--ram-path",
+        default="/dev/shm/smartinf_state_bench",
+        help="state directory in RAM (tmpfs) for the compute reference; removed after each run",
+    )
+    parser.add_argument("--probe-gb", type=float, default=1.0, help="GB each way for the disk probe before each run")
     parser.add_argument("--out", default="schedule_bench")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES), help="horizontal is the base")
     args = parser.parse_args()
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be >= 1: the first measured interval starts at a warm-up step's end")
+    if Path(args.ram_path).resolve() == Path(args.nvme_path).resolve():
+        parser.error("--ram-path and --nvme-path must differ: the RAM run is the compute reference for the disk run")
     cfg = GPTConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.width, vocab_size=args.vocab,
                     block_size=args.seq)  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     Path(args.nvme_path).mkdir(parents=True, exist_ok=True)
-    dtype = torch.bfloat16 if args.precision.startswith("bf16") else torch.float32
-    machine = probe_machine(torch.device("cpu"), Path(args.nvme_path), dtype)
     modes = ["horizontal", *(mode for mode in args.modes if mode != "horizontal")]
     results: dict[str, dict[int, dict[str, float]]] = {mode: {} for mode in modes}
     for m in args.micro_batches:
         for mode in modes:
-            results[mode][m] = run_mode(cfg, mode, m, args)
-            print(f"M={m} {mode}: {results[mode][m]['seconds_per_step']:.2f} s/step", flush=True)
+            disk = probe_disk(Path(args.nvme_path), int(args.probe_gb * 1e9))
+            r = run_mode(cfg, mode, m, args, args.nvme_path)
+            try:
+                r["ram_seconds_per_step"] = run_mode(cfg, mode, m, args, args.ram_path)["seconds_per_step"]
+            finally:
+                shutil.rmtree(args.ram_path, ignore_errors=True)
+            r.update(disk_read_bw=disk.read, disk_write_bw=disk.write, disk_mixed_bw=disk.mixed)
+            r["disk_s"] = disk.seconds(r["disk_read_bytes_per_step"], r["disk_write_bytes_per_step"])
+            r["roofline_s"] = max(r["ram_seconds_per_step"], r["disk_s"])
+            results[mode][m] = r
+            print(f"M={m} {mode}: {r['seconds_per_step']:.2f} s/step on disk, {r['ram_seconds_per_step']:.2f} in RAM",
+                  flush=True)  # fmt: skip
     params = next(iter(results["horizontal"].values()))["params"]
     lines = [
         f"GPT {args.layers}x{args.width} ({params / 1e6:.0f}M parameters), {args.precision}, micro-batch "
-        f"{args.micro_batch}x{args.seq} tokens; measured disk {machine.disk_read / 1e9:.2f} GB/s read, "
-        f"{machine.disk_write / 1e9:.2f} GB/s write; matmul {machine.flops / 1e12:.2f} TFLOP/s",
+        f"{args.micro_batch}x{args.seq} tokens; disk speeds measured before each run, GB/s reads / writes / both",
         "",
         "| M | schedule | s/step | tokens/s | vs horizontal | param GB read/step | disk GB read + written/step | "
-        "compute s | disk s | roofline s | of roofline |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "disk GB/s | compute s (RAM) | disk s | roofline s | of roofline |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in args.micro_batches:
         base = results["horizontal"][m]["tokens_per_s"]
         for mode in modes:
             r = results[mode][m]
-            compute = 8 * params * args.micro_batch * m * args.seq / machine.flops
-            read, write = r["disk_read_bytes_per_step"], r["disk_write_bytes_per_step"]
-            disk = read / machine.disk_read + write / machine.disk_write
-            roofline = max(compute, disk)
-            r["roofline_s"] = roofline
             lines.append(
                 f"| {m} | {mode} | {r['seconds_per_step']:.2f} | {r['tokens_per_s']:.0f} | "
                 f"{r['tokens_per_s'] / base:.2f}x | {r['param_read_bytes_per_step'] / 1e9:.2f} | "
-                f"{read / 1e9:.2f} + {write / 1e9:.2f} | {compute:.2f} | {disk:.2f} | {roofline:.2f} | "
-                f"{roofline / r['seconds_per_step']:.0%} |"
+                f"{r['disk_read_bytes_per_step'] / 1e9:.2f} + {r['disk_write_bytes_per_step'] / 1e9:.2f} | "
+                f"{r['disk_read_bw'] / 1e9:.2f} / {r['disk_write_bw'] / 1e9:.2f} / {r['disk_mixed_bw'] / 1e9:.2f} | "
+                f"{r['ram_seconds_per_step']:.2f} | {r['disk_s']:.2f} | {r['roofline_s']:.2f} | "
+                f"{r['roofline_s'] / r['seconds_per_step']:.0%} |"
             )
     table = "\n".join(lines)
     print(table)

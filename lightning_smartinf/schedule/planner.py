@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from lightning_smartinf.storage.aligned import aligned_bytes
 from lightning_smartinf.storage.counters import TrafficCounters
 from lightning_smartinf.storage.io import IOBackend, make_backend
+from lightning_smartinf.storage.probe import measure_disk
 from lightning_smartinf.storage.store import FileStore
 
 
@@ -110,8 +110,8 @@ def plan(work: Workload, machine: Machine, max_micro_batches: int = 16) -> Plan:
 
 def measure_machine(device: torch.device, directory: Path, backend: IOBackend, update_params_per_s: float,
                     dtype: torch.dtype, device_memory: int, host_memory: int) -> Machine:  # fmt: skip
-    """Short probes: the best of a few 2048^3 matmuls for FLOP/s; the best of a few 128 MiB writes and reads,
-    8 requests at a time through the engine's I/O backend, for disk bandwidth."""
+    """Short probes: the best of a few 2048^3 matmuls for FLOP/s; 128 MiB written and read, 8 requests of 16 MiB at a
+    time through the engine's I/O backend, for disk bandwidth (``measure_disk``)."""
     n = 2048
     a = torch.randn(n, n, device=device, dtype=dtype)
     flops = 0.0
@@ -121,22 +121,8 @@ def measure_machine(device: torch.device, directory: Path, backend: IOBackend, u
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         flops = max(flops, 2 * n**3 / (time.perf_counter() - start))
-    store = FileStore(directory, backend, TrafficCounters(), "probe")
-    chunk, chunks = 16 * 2**20, 8
-    buffers = [aligned_bytes(chunk) for _ in range(chunks)]
-    read = write = 0.0
-    for _ in range(2):
-        start = time.perf_counter()
-        for f in [store.write("probe", f"bw{i}", b, chunk) for i, b in enumerate(buffers)]:
-            f.result()
-        write = max(write, chunk * chunks / (time.perf_counter() - start))
-        start = time.perf_counter()
-        for f in [store.read("probe", f"bw{i}", b, chunk) for i, b in enumerate(buffers)]:
-            f.result()
-        read = max(read, chunk * chunks / (time.perf_counter() - start))
-    for i in range(chunks):
-        store.path("probe", f"bw{i}").unlink(missing_ok=True)
-    return Machine(flops, read, write, update_params_per_s, device_memory, host_memory)
+    disk = measure_disk(FileStore(directory, backend, TrafficCounters(), "probe"), 128 * 2**20)
+    return Machine(flops, disk.read, disk.write, update_params_per_s, device_memory, host_memory)
 
 
 def probe_machine(device: torch.device, directory: Path, dtype: torch.dtype) -> Machine:

@@ -41,8 +41,11 @@ def test_schedule_bench_small(tmp_path: Path) -> None:
     out = run_module("lightning_smartinf.cli.schedule_bench", "--layers", "2", "--width", "32", "--heads", "2",
                      "--vocab", "256", "--seq", "16", "--micro-batches", "2", "--steps", "1", "--warmup", "1",
                      "--modes", "vertical + overlap + eager", "--out", str(tmp_path / "out"),
-                     "--nvme-path", str(tmp_path / "state"), cwd=tmp_path)  # fmt: skip
-    assert "| 2 | vertical + overlap + eager |" in out and (tmp_path / "out" / "schedule_bench.png").is_file()
+                     "--nvme-path", str(tmp_path / "state"), "--ram-path", str(tmp_path / "ram"), "--probe-gb", "0.05",
+                     cwd=tmp_path)  # fmt: skip
+    row = next(line for line in out.splitlines() if line.startswith("| 2 | vertical + overlap + eager |"))
+    assert len(row.split("|")) == 14 and row.endswith("% |")  # 12 columns, the last the share of the roofline
+    assert (tmp_path / "out" / "schedule_bench.png").is_file() and not (tmp_path / "ram").exists()
 
 
 def test_bench_against_deepspeed_small(tmp_path: Path) -> None:
