@@ -91,7 +91,7 @@ class ParamStreamer:
             self._start_read(self.layout.blocks[index], raw)
 
     def _start_read(self, block: Block, raw: torch.Tensor) -> None:
-        reads = [self.store.read(PARAM, sg.key, self._sg_bytes(raw, sg), sg.numel * self.itemsize)
+        reads = [self.store.read(PARAM, sg.key, self._sg_bytes(raw, sg), sg.numel * self.itemsize, urgent=True)
                  for sg in block.subgroups]  # fmt: skip
         self._loading[block.index] = (raw, reads)
 

@@ -110,7 +110,7 @@ class CheckpointTiers:
             return saved.to(self.device)  # type: ignore[no-any-return]
         shape, dtype, nbytes = saved
         raw = aligned_bytes(nbytes)
-        self.store.read(CHECKPOINT, f"b{boundary}m{micro}", raw, nbytes).result()
+        self.store.read(CHECKPOINT, f"b{boundary}m{micro}", raw, nbytes, urgent=True).result()
         return typed_view(raw, dtype, nbytes // torch.empty((), dtype=dtype).element_size()).view(shape).to(self.device)
 
     def clear(self) -> None:

@@ -7,12 +7,15 @@ overlap I/O with compute without knowing which backend runs. Each worker thread 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import queue
 import resource
 import threading
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -34,11 +37,57 @@ class IOBackend(Protocol):
     direct: bool
     allocator: Allocator
 
-    def read(self, path: Path, buffer: torch.Tensor) -> Future[None]: ...
+    def read(self, path: Path, buffer: torch.Tensor, urgent: bool = False) -> Future[None]:
+        """Fill ``buffer`` from ``path``; ``urgent`` requests are served before every queued non-urgent one."""
+        ...
 
     def write(self, path: Path, buffer: torch.Tensor) -> Future[None]: ...
 
     def close(self) -> None: ...
+
+
+class RequestQueue:
+    """Worker threads serving I/O requests urgent first, in submission order within each class.
+
+    Compute waits on a few reads (a block's parameters, a checkpoint) while the optimizer step keeps a long queue of
+    state reads and writes in flight; a plain FIFO pool would put those few behind the step's whole queue."""
+
+    _URGENT, _NORMAL, _STOP = 0, 1, 2
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._queue: queue.PriorityQueue[tuple[int, int, Future[None] | None, Callable[[], None] | None]] = (
+            queue.PriorityQueue()
+        )
+        self._order = itertools.count()
+        self._threads = [threading.Thread(target=self._serve, name=f"{name}-{i}", daemon=True) for i in range(threads)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, work: Callable[[], None], urgent: bool) -> Future[None]:
+        future: Future[None] = Future()
+        self._queue.put((self._URGENT if urgent else self._NORMAL, next(self._order), future, work))
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            _, _, future, work = self._queue.get()
+            if future is None or work is None:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                work()
+            except BaseException as err:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(err)
+            else:
+                future.set_result(None)
+
+    def close(self) -> None:
+        """Serve everything queued, then stop the workers."""
+        for _ in self._threads:
+            self._queue.put((self._STOP, next(self._order), None, None))
+        for thread in self._threads:
+            thread.join()
 
 
 def supports_o_direct(directory: Path) -> bool:
@@ -67,7 +116,7 @@ class ThreadPoolIO:
         self.direct = direct
         self.allocator: Allocator = PageAligned()
         self.name = f"threads(pread/pwrite{', O_DIRECT' if direct else ', buffered'}, {threads} threads)"
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="smartinf-io")
+        self._requests = RequestQueue(threads, "smartinf-io")
         self._flag = os.O_DIRECT if direct else 0
 
     def _read(self, path: Path, buffer: torch.Tensor) -> None:
@@ -93,14 +142,14 @@ class ThreadPoolIO:
         finally:
             os.close(fd)
 
-    def read(self, path: Path, buffer: torch.Tensor) -> Future[None]:
-        return self._pool.submit(self._read, path, buffer)
+    def read(self, path: Path, buffer: torch.Tensor, urgent: bool = False) -> Future[None]:
+        return self._requests.submit(lambda: self._read(path, buffer), urgent)
 
     def write(self, path: Path, buffer: torch.Tensor) -> Future[None]:
-        return self._pool.submit(self._write, path, buffer)
+        return self._requests.submit(lambda: self._write(path, buffer), urgent=False)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._requests.close()
 
 
 CAP_IPC_LOCK = 14
@@ -167,7 +216,7 @@ class DeepSpeedAIO:
         self._first_write(directory)
         self.allocator: Allocator = PageLocked(self._module, self._handle_args)
         self._local = threading.local()
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="smartinf-aio")
+        self._requests = RequestQueue(threads, "smartinf-aio")
         self.direct = True
         self.name = (
             f"deepspeed-aio(libaio, O_DIRECT, {threads} handles x intra_op_parallelism={intra_op_parallelism}, "
@@ -199,14 +248,14 @@ class DeepSpeedAIO:
         if self._handle().sync_pwrite(buffer, str(path)) < 0:
             raise OSError(f"deepspeed aio write of {buffer.numel()} bytes to {path} failed")
 
-    def read(self, path: Path, buffer: torch.Tensor) -> Future[None]:
-        return self._pool.submit(self._read, path, buffer)
+    def read(self, path: Path, buffer: torch.Tensor, urgent: bool = False) -> Future[None]:
+        return self._requests.submit(lambda: self._read(path, buffer), urgent)
 
     def write(self, path: Path, buffer: torch.Tensor) -> Future[None]:
-        return self._pool.submit(self._write, path, buffer)
+        return self._requests.submit(lambda: self._write(path, buffer), urgent=False)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._requests.close()
 
 
 def deepspeed_aio_available() -> bool:

@@ -28,8 +28,9 @@ def done_future() -> Future[None]:
 class TensorStore(Protocol):
     """What the engine and the updaters need from storage."""
 
-    def read(self, kind: str, key: str, buffer: torch.Tensor, payload: int) -> Future[None]:
-        """Fill ``buffer`` (aligned uint8, at least ``align_up(payload)`` bytes) with the stored tensor."""
+    def read(self, kind: str, key: str, buffer: torch.Tensor, payload: int, urgent: bool = False) -> Future[None]:
+        """Fill ``buffer`` (aligned uint8, at least ``align_up(payload)`` bytes) with the stored tensor; ``urgent``
+        for what compute is waiting on (served before queued optimizer-step I/O)."""
         ...
 
     def write(self, kind: str, key: str, buffer: torch.Tensor, payload: int) -> Future[None]:
@@ -55,9 +56,9 @@ class FileStore:
             self._dirs.add(kind)
         return self.root / kind / key
 
-    def read(self, kind: str, key: str, buffer: torch.Tensor, payload: int) -> Future[None]:
+    def read(self, kind: str, key: str, buffer: torch.Tensor, payload: int, urgent: bool = False) -> Future[None]:
         self.counters.add(self.link, kind, READ, payload)
-        return self.backend.read(self.path(kind, key), buffer[: align_up(payload)])
+        return self.backend.read(self.path(kind, key), buffer[: align_up(payload)], urgent)
 
     def write(self, kind: str, key: str, buffer: torch.Tensor, payload: int) -> Future[None]:
         self.counters.add(self.link, kind, WRITE, payload)
@@ -97,8 +98,8 @@ class StripedStore:
     def path(self, kind: str, key: str) -> Path:
         return self._store(key).path(kind, key)
 
-    def read(self, kind: str, key: str, buffer: torch.Tensor, payload: int) -> Future[None]:
-        return self._store(key).read(kind, key, buffer, payload)
+    def read(self, kind: str, key: str, buffer: torch.Tensor, payload: int, urgent: bool = False) -> Future[None]:
+        return self._store(key).read(kind, key, buffer, payload, urgent)
 
     def write(self, kind: str, key: str, buffer: torch.Tensor, payload: int) -> Future[None]:
         return self._store(key).write(kind, key, buffer, payload)
@@ -124,8 +125,8 @@ class RoutedStore:
     def __init__(self, owners: dict[str, TensorStore]) -> None:
         self._owners = owners
 
-    def read(self, kind: str, key: str, buffer: torch.Tensor, payload: int) -> Future[None]:
-        return self._owners[key].read(kind, key, buffer, payload)
+    def read(self, kind: str, key: str, buffer: torch.Tensor, payload: int, urgent: bool = False) -> Future[None]:
+        return self._owners[key].read(kind, key, buffer, payload, urgent)
 
     def write(self, kind: str, key: str, buffer: torch.Tensor, payload: int) -> Future[None]:
         return self._owners[key].write(kind, key, buffer, payload)
@@ -145,7 +146,7 @@ class HostStore:
     def nbytes(self) -> int:
         return sum(t.numel() for t in self._tensors.values())
 
-    def read(self, kind: str, key: str, buffer: torch.Tensor, payload: int) -> Future[None]:
+    def read(self, kind: str, key: str, buffer: torch.Tensor, payload: int, urgent: bool = False) -> Future[None]:
         buffer[:payload].copy_(self._tensors[(kind, key)][:payload])
         return done_future()
 

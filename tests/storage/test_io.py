@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from conftest import aio_is_pinned
 
 from lightning_smartinf.storage.aligned import BufferPool, aligned_bytes, typed_view
 from lightning_smartinf.storage.counters import READ, WRITE, TrafficCounters
-from lightning_smartinf.storage.io import make_backend, supports_o_direct
+from lightning_smartinf.storage.io import RequestQueue, make_backend, supports_o_direct
 from lightning_smartinf.storage.store import FileStore, HostStore
 
 
@@ -109,3 +110,20 @@ def test_a_closed_pool_frees_its_buffers_and_refuses_more() -> None:
     with pytest.raises(RuntimeError, match="closed"):
         pool.acquire(10)
     assert pool.try_acquire() is None
+
+
+def test_urgent_requests_overtake_the_queue_and_close_serves_the_rest() -> None:
+    requests = RequestQueue(1, "test-io")
+    started, release, order = threading.Event(), threading.Event(), []
+    requests.submit(lambda: (started.set(), release.wait()), urgent=False)  # occupies the only worker
+    started.wait()
+    for name in ("state0", "state1"):
+        requests.submit(lambda name=name: order.append(name), urgent=False)  # type: ignore[misc]
+    param = requests.submit(lambda: order.append("param"), urgent=True)
+    failing = requests.submit(lambda: 1 / 0, urgent=False)  # type: ignore[func-returns-value]
+    release.set()
+    param.result()
+    requests.close()
+    assert order == ["param", "state0", "state1"]
+    with pytest.raises(ZeroDivisionError):
+        failing.result()
