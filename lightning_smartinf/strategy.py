@@ -13,7 +13,7 @@ import io
 import logging
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -57,7 +57,7 @@ from lightning_smartinf.config import (
     coerce,
 )
 from lightning_smartinf.engine.engine import OffloadEngine
-from lightning_smartinf.engine.planning import memory_budget, update_rate, workload_of
+from lightning_smartinf.engine.planning import block_flops, memory_budget, update_rate, workload_of
 from lightning_smartinf.engine.snapshot import engine_nbytes, load_engine_state, save_engine_state
 from lightning_smartinf.monitor import SmartInfinityMonitor
 from lightning_smartinf.precision import SmartInfinityPrecision
@@ -267,12 +267,17 @@ class SmartInfinityStrategy(ParallelStrategy):
         """Plan the vertical schedule for this batch from short measurements of this machine."""
         assert self.engine is not None and self.lightning_module is not None
         with torch.no_grad(), self.precision_plugin.forward_context():
-            hidden = self.lightning_module.vertical_pre(batch[:1])  # type: ignore[operator]
+            hidden = self.lightning_module.vertical_pre(batch)  # type: ignore[operator]
+            flops = block_flops(self.engine, hidden)
         boundaries = len(self.engine.layout.streamed) + 1
-        work = workload_of(self.engine, batch, hidden.numel() * hidden.element_size() * boundaries)
+        sample_bytes = hidden[0].numel() * hidden.element_size() * boundaries
+        work = workload_of(self.engine, batch, sample_bytes)
         machine = measure_machine(self.root_device, self.engine.root, self.engine.backend,
                                   update_rate(self.engine), self.engine.param_dtype,
                                   memory_budget(self.root_device), memory_budget(torch.device("cpu")))  # fmt: skip
+        log.info("schedule=auto: the model's blocks run at %.2f TFLOP/s here (a 2048^3 matmul: %.2f)",
+                 flops / 1e12, machine.flops / 1e12)  # fmt: skip
+        machine = replace(machine, flops=min(flops, machine.flops))
         chosen = self.broadcast(plan(work, machine))  # rank 0's plan for every rank: one schedule, one result
         log.info(chosen.describe())
         self.plan = chosen

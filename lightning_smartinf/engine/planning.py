@@ -42,6 +42,28 @@ def update_rate(engine: OffloadEngine, numel: int = 1 << 21) -> float:
     return numel / (time.perf_counter() - start)
 
 
+def block_flops(engine: OffloadEngine, hidden: torch.Tensor) -> float:
+    """FLOP/s this model's first streamed block reaches on ``hidden`` (a batch's hidden states): 2 x its parameters x
+    tokens over the best of two timed forwards. Real blocks (attention, norms, small matmuls) run well below a large
+    matmul's rate, and the planner's compute term should see the rate the model gets."""
+    if not engine.layout.streamed:
+        return float("inf")
+    engine.params.fetch(1)
+    try:
+        seconds = float("inf")
+        with torch.no_grad():
+            for _ in range(2):
+                start = time.perf_counter()
+                engine.block_forwards[0](hidden)
+                if hidden.device.type == "cuda":
+                    torch.cuda.synchronize(hidden.device)
+                seconds = min(seconds, time.perf_counter() - start)
+    finally:
+        engine.params.release(1)
+    tokens = hidden.numel() // hidden.shape[-1]
+    return 2.0 * engine.layout.blocks[1].numel * tokens / seconds
+
+
 def memory_budget(device: torch.device, share: float = 0.25) -> int:
     """Bytes the schedule may use for activation checkpoints on ``device``: a share of what is free now."""
     if device.type == "cuda":

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import re
 from pathlib import Path
 
+import pytest
 from conftest import fit, make_module, token_loader
 
 from lightning_smartinf.schedule.planner import Machine, Workload, plan, predict
@@ -43,9 +46,14 @@ def test_plan_splits_the_batch_and_spills_checkpoints_when_memory_is_short() -> 
     assert tight.checkpoint_host + tight.checkpoint_nvme > 0.0
 
 
-def test_schedule_auto_trains_and_logs_its_plan(tmp_path: Path) -> None:
+def test_schedule_auto_trains_and_logs_its_plan(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="lightning_smartinf")
     offload = {"nvme_path": str(tmp_path), "subgroup_size": 4096, "io_backend": "threads"}
     strategy = SmartInfinityStrategy(offload=offload, update={"host_adam": "torch"}, schedule={"kind": "auto"})
     trainer = fit(make_module(), strategy, max_steps=2, loader=token_loader(batch_size=4))
     assert trainer.strategy.plan is not None and trainer.strategy.engine.step_count == 2
     assert 4 % trainer.strategy.plan.micro_batches == 0
+    # compute is planned at the rate the model's own block reached, which the log states next to the matmul probe's
+    rates = re.search(r"blocks run at ([0-9.]+) TFLOP/s here \(a 2048\^3 matmul: ([0-9.]+)\)", caplog.text)
+    assert rates is not None and float(rates.group(1)) > 0
+    assert trainer.strategy.plan.breakdown["compute"] > 0
