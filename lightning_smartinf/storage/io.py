@@ -7,6 +7,7 @@ overlap I/O with compute without knowing which backend runs. Each worker thread 
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import os
@@ -14,6 +15,7 @@ import queue
 import resource
 import threading
 import uuid
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -50,9 +52,12 @@ class RequestQueue:
     """Worker threads serving I/O requests urgent first, in submission order within each class.
 
     Compute waits on a few reads (a block's parameters, a checkpoint) while the optimizer step keeps a long queue of
-    state reads and writes in flight; a plain FIFO pool would put those few behind the step's whole queue."""
+    state reads and writes in flight; a plain FIFO pool would put those few behind the step's whole queue. Workers are
+    daemon threads, so a queue nobody closed cannot hold the interpreter open; at exit every live queue is drained
+    first (as ``concurrent.futures`` does), so a write already submitted is not lost."""
 
     _URGENT, _NORMAL, _STOP = 0, 1, 2
+    _live: weakref.WeakSet[RequestQueue] = weakref.WeakSet()
 
     def __init__(self, threads: int, name: str) -> None:
         self._queue: queue.PriorityQueue[tuple[int, int, Future[None] | None, Callable[[], None] | None]] = (
@@ -60,8 +65,10 @@ class RequestQueue:
         )
         self._order = itertools.count()
         self._threads = [threading.Thread(target=self._serve, name=f"{name}-{i}", daemon=True) for i in range(threads)]
+        self._closed = False
         for thread in self._threads:
             thread.start()
+        self._live.add(self)
 
     def submit(self, work: Callable[[], None], urgent: bool) -> Future[None]:
         future: Future[None] = Future()
@@ -83,11 +90,21 @@ class RequestQueue:
                 future.set_result(None)
 
     def close(self) -> None:
-        """Serve everything queued, then stop the workers."""
+        """Serve everything queued, then stop the workers (once; later calls return at once)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._live.discard(self)
         for _ in self._threads:
             self._queue.put((self._STOP, next(self._order), None, None))
         for thread in self._threads:
             thread.join()
+
+
+@atexit.register
+def _drain_request_queues() -> None:
+    for requests in list(RequestQueue._live):
+        requests.close()
 
 
 def supports_o_direct(directory: Path) -> bool:

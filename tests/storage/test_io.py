@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -127,3 +129,15 @@ def test_urgent_requests_overtake_the_queue_and_close_serves_the_rest() -> None:
     assert order == ["param", "state0", "state1"]
     with pytest.raises(ZeroDivisionError):
         failing.result()
+
+
+def test_requests_left_queued_at_exit_are_still_served(tmp_path: Path) -> None:
+    """Nobody closes the queue; the interpreter exits anyway (daemon workers) and first finishes the queued write."""
+    mark = tmp_path / "written"
+    script = (
+        "import time\nfrom lightning_smartinf.storage.io import RequestQueue\n"
+        "q = RequestQueue(1, 'exit-test')\n"
+        f"q.submit(lambda: (time.sleep(0.3), open({str(mark)!r}, 'w').write('x')), urgent=False)\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+    assert mark.read_text() == "x"
