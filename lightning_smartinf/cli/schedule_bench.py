@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 
 from lightning_smartinf.models.gpt import GPTConfig, GPTModule
 from lightning_smartinf.storage.counters import TrafficCounters
-from lightning_smartinf.storage.io import make_backend
+from lightning_smartinf.storage.io import backend_for
 from lightning_smartinf.storage.probe import DiskSpeeds, measure_disk
 from lightning_smartinf.storage.store import FileStore
 from lightning_smartinf.strategy import SmartInfinityStrategy
@@ -65,7 +65,7 @@ class StepTimer(pl.Callback):
 
 def probe_disk(directory: Path, nbytes: int) -> DiskSpeeds:
     """The disk under ``directory`` through the engine's default I/O backend."""
-    backend = make_backend("auto", directory, 4, 1, 1 << 20, 32)
+    backend = backend_for(directory)
     try:
         return measure_disk(FileStore(directory, backend, TrafficCounters(), "probe"), nbytes)
     finally:

@@ -30,7 +30,7 @@ from lightning_smartinf.engine.partition import Partition
 from lightning_smartinf.schedule.horizontal import find_blocks, unwrap_blocks, wrap_blocks
 from lightning_smartinf.storage.aligned import align_up, aligned_bytes, typed_view
 from lightning_smartinf.storage.counters import TrafficCounters
-from lightning_smartinf.storage.io import IOBackend, make_backend
+from lightning_smartinf.storage.io import IOBackend, backend_for
 from lightning_smartinf.storage.lock import StateLock
 from lightning_smartinf.storage.space import prepare_directory
 from lightning_smartinf.storage.store import FileStore, HostStore, StripedStore, TensorStore, stripe_of
@@ -140,9 +140,7 @@ class OffloadEngine:
     def _open_store(self, directory: Path, needed: int, key: str, link: str) -> FileStore:
         """Check and lock ``directory`` (config key ``key``), give it its own I/O backend, and count on ``link``."""
         self._lock(directory, needed, key)
-        cfg = self.cfg
-        backend = make_backend(cfg.io_backend, directory, cfg.io_threads, cfg.aio_intra_op_parallelism,
-                               cfg.aio_block_size, cfg.aio_queue_depth)  # fmt: skip
+        backend = backend_for(directory, self.cfg)
         self._backends.append(backend)
         return FileStore(directory, backend, self.counters, link)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from lightning_smartinf.storage.counters import TrafficCounters
-from lightning_smartinf.storage.io import IOBackend, make_backend
+from lightning_smartinf.storage.io import IOBackend, backend_for
 from lightning_smartinf.storage.probe import measure_disk
 from lightning_smartinf.storage.store import FileStore
 
@@ -128,7 +128,7 @@ def measure_machine(device: torch.device, directory: Path, backend: IOBackend, u
 def probe_machine(device: torch.device, directory: Path, dtype: torch.dtype) -> Machine:
     """``measure_machine`` for a command without an engine: FLOP/s and the disk under ``directory`` through an I/O
     backend of its own (speeds only: no update rate, no memory limits)."""
-    backend = make_backend("auto", directory, 4, 1, 1 << 20, 32)
+    backend = backend_for(directory)
     try:
         return measure_machine(device, directory, backend, float("inf"), dtype, 0, 0)
     finally:

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
+from lightning_smartinf.config import OffloadConfig
 from lightning_smartinf.ops import load_op
 from lightning_smartinf.storage.aligned import ALIGNMENT, Allocator, PageAligned, align_up, aligned_bytes
 
@@ -126,7 +127,29 @@ def supports_o_direct(directory: Path) -> bool:
         probe.unlink(missing_ok=True)
 
 
-class ThreadPoolIO:
+class _QueuedBackend:
+    """What both backends share: requests go through a ``RequestQueue`` to the subclass's blocking ``_read`` and
+    ``_write``, which run on its worker threads."""
+
+    _requests: RequestQueue
+
+    def _read(self, path: Path, buffer: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _write(self, path: Path, buffer: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def read(self, path: Path, buffer: torch.Tensor, urgent: bool = False) -> Future[None]:
+        return self._requests.submit(lambda: self._read(path, buffer), urgent)
+
+    def write(self, path: Path, buffer: torch.Tensor) -> Future[None]:
+        return self._requests.submit(lambda: self._write(path, buffer), urgent=False)
+
+    def close(self) -> None:
+        self._requests.close()
+
+
+class ThreadPoolIO(_QueuedBackend):
     """pread/pwrite from worker threads; O_DIRECT when the filesystem allows it, buffered otherwise."""
 
     def __init__(self, threads: int, direct: bool) -> None:
@@ -158,15 +181,6 @@ class ThreadPoolIO:
                 done += os.pwritev(fd, [view[done:]], done)
         finally:
             os.close(fd)
-
-    def read(self, path: Path, buffer: torch.Tensor, urgent: bool = False) -> Future[None]:
-        return self._requests.submit(lambda: self._read(path, buffer), urgent)
-
-    def write(self, path: Path, buffer: torch.Tensor) -> Future[None]:
-        return self._requests.submit(lambda: self._write(path, buffer), urgent=False)
-
-    def close(self) -> None:
-        self._requests.close()
 
 
 CAP_IPC_LOCK = 14
@@ -220,7 +234,7 @@ class PageLocked:
                 self._handle.free_cpu_locked_tensor(buffer)
 
 
-class DeepSpeedAIO:
+class DeepSpeedAIO(_QueuedBackend):
     """DeepSpeed's ``aio_handle`` (libaio, O_DIRECT), one handle per worker thread."""
 
     def __init__(
@@ -265,15 +279,6 @@ class DeepSpeedAIO:
         if self._handle().sync_pwrite(buffer, str(path)) < 0:
             raise OSError(f"deepspeed aio write of {buffer.numel()} bytes to {path} failed")
 
-    def read(self, path: Path, buffer: torch.Tensor, urgent: bool = False) -> Future[None]:
-        return self._requests.submit(lambda: self._read(path, buffer), urgent)
-
-    def write(self, path: Path, buffer: torch.Tensor) -> Future[None]:
-        return self._requests.submit(lambda: self._write(path, buffer), urgent=False)
-
-    def close(self) -> None:
-        self._requests.close()
-
 
 def deepspeed_aio_available() -> bool:
     try:
@@ -306,3 +311,11 @@ def make_backend(
                 raise RuntimeError(f"offload.io_backend=aio but DeepSpeed's async_io op did not load: {err}") from err
             log.warning("DeepSpeed async_io op unavailable (%s); using the thread-pool backend", err)
     return ThreadPoolIO(threads, direct=True)
+
+
+def backend_for(directory: Path, cfg: OffloadConfig | None = None) -> IOBackend:
+    """The backend ``offload`` settings ask for under ``directory``; the engine's defaults when none are given (for
+    commands that probe a disk without an engine)."""
+    cfg = cfg or OffloadConfig()
+    return make_backend(cfg.io_backend, directory, cfg.io_threads, cfg.aio_intra_op_parallelism, cfg.aio_block_size,
+                        cfg.aio_queue_depth)  # fmt: skip
