@@ -151,6 +151,10 @@ class CompressionConfig:
     """Elements per selection block."""
     error_feedback: bool = False
     """Keep what was not sent on the training side and add it back before the next selection."""
+    catch_up: bool = False
+    """Adam/AdamW with error feedback: the device updates only the elements it receives, each by the steps it
+    missed, from the mean gradient and mean square of its wait (the sums of squares travel too: 8 B per kept element
+    instead of 6). Unsent elements keep their moments; docs/compression.md."""
     warmup_steps: int = 0
     """Optimizer steps that send dense gradients before compression starts."""
     value_dtype: str = "bf16"
@@ -167,6 +171,11 @@ class CompressionConfig:
         _check_positive("compression.warmup_steps", self.warmup_steps, 0)
         if self.residual_budget_mb < 0:
             raise ValueError(f"compression.residual_budget_mb={self.residual_budget_mb} must be >= 0")
+        if self.catch_up and not self.error_feedback:
+            raise ValueError(
+                "compression.catch_up=true needs compression.error_feedback=true: the device catches an element up "
+                "from the gradient it accumulated while unsent, which error feedback keeps"
+            )
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """``smartinf-convergence``: validation loss of SmartComp settings against uncompressed training, same seed and steps.
 
 Trains the tiny recipe on the default corpus with SmartUpdate once per setting (uncompressed; top-k keep=0.01
-without and with error feedback; keep=0.05), then writes a Markdown table and a PNG of the validation curves.
+without and with error feedback; keep=0.05; keep=0.01 with error feedback and the devices' catch-up update), then
+writes a Markdown table and a PNG of the validation curves.
 
     smartinf-convergence --steps 300 --out docs/
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import re
 from pathlib import Path
 
 import matplotlib
@@ -33,6 +35,12 @@ SETTINGS = {
         "compression.error_feedback=true",
     ],
     "top-k keep=0.05": ["compression=topk", "compression.keep=0.05"],
+    "top-k keep=0.01 + error feedback + catch-up": [
+        "compression=topk",
+        "compression.keep=0.01",
+        "compression.error_feedback=true",
+        "compression.catch_up=true",
+    ],
 }
 
 
@@ -58,7 +66,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     results = {}
     for name, extra in SETTINGS.items():
-        slug = name.replace(" ", "_").replace("=", "").replace("+", "ef").replace("-", "")
+        slug = re.sub(r"[^a-z0-9.]+", "_", name.replace("-", ""))  # "top-k keep=0.01 + ..." -> "topk_keep_0.01_..."
         overrides = ["update=smart", "update.devices=2", "offload.grads=cpu", f"trainer.max_steps={args.steps}",
                      f"trainer.val_check_interval={max(args.steps // 6, 1)}", "trainer.limit_val_batches=8",
                      f"offload.nvme_path={work / slug / 'state'}", *extra]  # fmt: skip

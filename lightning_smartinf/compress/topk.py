@@ -9,31 +9,42 @@ Error feedback (beyond the paper, which drops what it does not send): the residu
 the 16-bit rounding of what was) is kept on the training side and added back before the next selection. It lives
 in training-device memory, fp32, up to ``compression.residual_budget_mb``, and in 16-bit host memory beyond; it
 never travels to the devices.
+
+Catch-up (``compression.catch_up``, Adam/AdamW): beside the residual, the sum of squared gradients since an
+element was last sent is kept too, and both sums travel when the element is selected (int32 index, 16-bit sum,
+16-bit sum of squares). The device then updates only the elements it receives, each by the steps it missed, with the
+mean gradient and mean square of that wait (fpga_kernels/sparse.cl ``adam_catch_up``). Gradients are unscaled and
+clipped here, step by step, before they are summed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from lightning_smartinf.config import CompressionConfig
 from lightning_smartinf.engine.layout import Layout, Subgroup
+from lightning_smartinf.update.base import StepContext
 
 VALUE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
 class SparseGradient:
-    """A subgroup's gradient on the wire: int32 indices, 16-bit values."""
+    """A subgroup's gradient on the wire: int32 indices, 16-bit values (and, with catch-up, 16-bit sums of
+    squares)."""
 
     indices: torch.Tensor
     values: torch.Tensor
     numel: int
+    squares: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        return self.indices.numel() * 4 + self.values.numel() * self.values.element_size()
+        squares = self.squares.numel() * self.squares.element_size() if self.squares is not None else 0
+        return self.indices.numel() * 4 + self.values.numel() * self.values.element_size() + squares
 
     def to_dense(self) -> torch.Tensor:
         """The dense fp32 gradient the device reconstructs (the reference for its scatter kernel)."""
@@ -59,18 +70,22 @@ class TopKCompressor:
         self.device = device
         self.value_dtype = VALUE_DTYPES[cfg.value_dtype]
         self._residuals: dict[int, torch.Tensor] = {}
+        self._squares: dict[int, torch.Tensor] = {}
         if cfg.error_feedback:
             budget = int(cfg.residual_budget_mb * 2**20)
+            buffers = 2 if cfg.catch_up else 1
             for sg in layout.subgroups:  # fp32 on the training device while the budget lasts, then 16-bit host
-                on_device = budget >= sg.numel * 4
-                budget -= sg.numel * 4 if on_device else 0
+                on_device = budget >= sg.numel * 4 * buffers
+                budget -= sg.numel * 4 * buffers if on_device else 0
                 where, dtype = (device, torch.float32) if on_device else (torch.device("cpu"), self.value_dtype)
                 self._residuals[sg.index] = torch.zeros(sg.numel, dtype=dtype, device=where)
+                if cfg.catch_up:
+                    self._squares[sg.index] = torch.zeros(sg.numel, dtype=dtype, device=where)
 
     @property
     def residual_bytes(self) -> dict[str, int]:
         out: dict[str, int] = {}
-        for r in self._residuals.values():
+        for r in (*self._residuals.values(), *self._squares.values()):
             key = f"{r.device.type}/{str(r.dtype).removeprefix('torch.')}"
             out[key] = out.get(key, 0) + r.numel() * r.element_size()
         return out
@@ -80,22 +95,38 @@ class TopKCompressor:
         """Whether there are residuals to checkpoint (error feedback on)."""
         return bool(self._residuals)
 
-    def state_dict(self) -> dict[int, torch.Tensor]:
-        return {index: r.cpu() for index, r in self._residuals.items()}
+    def state_dict(self) -> dict[str, dict[int, torch.Tensor]]:
+        return {"residual": {index: r.cpu() for index, r in self._residuals.items()},
+                "squares": {index: q.cpu() for index, q in self._squares.items()}}  # fmt: skip
 
-    def load_state_dict(self, state: dict[int, torch.Tensor]) -> None:
-        if state.keys() != self._residuals.keys():
-            raise ValueError("the checkpoint's error-feedback residuals belong to another layout")
-        for index, residual in self._residuals.items():
-            residual.copy_(state[index])
+    def load_state_dict(self, state: dict[Any, Any]) -> None:
+        if state and all(isinstance(key, int) for key in state):  # written before catch-up: residuals only
+            state = {"residual": state}
+        for name, mine in (("residual", self._residuals), ("squares", self._squares)):
+            saved = state.get(name, {})
+            if saved.keys() != mine.keys():
+                raise ValueError(
+                    f"the checkpoint's error-feedback {name} belong to another layout or another "
+                    "compression.catch_up setting"
+                )
+            for index, buffer in mine.items():
+                buffer.copy_(saved[index])
 
     def wire_ratio(self, numel: int) -> float:
         """Bytes on the wire over dense fp32 bytes for a subgroup of ``numel`` elements."""
-        return max_nnz(numel, self.cfg) * (4 + self.value_dtype.itemsize) / (4 * numel)
+        per_element = 4 + self.value_dtype.itemsize * (2 if self.cfg.catch_up else 1)
+        return max_nnz(numel, self.cfg) * per_element / (4 * numel)
 
-    def compress(self, sg: Subgroup, grad: torch.Tensor) -> SparseGradient:
-        """Select each block's largest magnitudes of ``grad`` (+ the residual), on the training device."""
+    def compress(self, sg: Subgroup, grad: torch.Tensor, ctx: StepContext) -> SparseGradient:
+        """Select each block's largest magnitudes of ``grad`` (+ the residual), on the training device.
+
+        Without catch-up the device unscales and clips what it receives; with it, each step's gradient is unscaled
+        and clipped here (``ctx``) before it joins the sums, since a sum spans steps with different coefficients."""
         acc = grad.to(self.device, dtype=torch.float32, copy=True)
+        squares = self._squares.get(sg.index)
+        if squares is not None:
+            ctx.prepare(acc)
+            total = acc.square().add_(squares.to(self.device, dtype=torch.float32))
         residual = self._residuals.get(sg.index)
         if residual is not None:
             acc += residual.to(self.device, dtype=torch.float32)
@@ -104,7 +135,12 @@ class TopKCompressor:
         if residual is not None:
             acc[indices] -= values.float()  # what was not sent, including the 16-bit rounding of what was
             residual.copy_(acc.to(residual.device, dtype=residual.dtype))
-        return SparseGradient(indices.to(torch.int32).cpu(), values.cpu(), sg.numel)
+        sent_squares = None
+        if squares is not None:
+            sent_squares = total[indices].to(self.value_dtype).cpu()
+            total[indices] = 0.0  # a sent element starts a new wait
+            squares.copy_(total.to(squares.device, dtype=squares.dtype))
+        return SparseGradient(indices.to(torch.int32).cpu(), values.cpu(), sg.numel, sent_squares)
 
     def _select(self, acc: torch.Tensor) -> torch.Tensor:
         block, numel = self.cfg.block, acc.numel()

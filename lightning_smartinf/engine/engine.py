@@ -37,7 +37,7 @@ from lightning_smartinf.storage.store import FileStore, HostStore, StripedStore,
 from lightning_smartinf.update.base import StepContext, Updater
 from lightning_smartinf.update.cpu_adam import load_cpu_adam
 from lightning_smartinf.update.host import HostUpdater
-from lightning_smartinf.update.optimizers import OptimizerRule, hyperparameters, rule_for
+from lightning_smartinf.update.optimizers import OptimizerRule, hyperparameters, rule_for, with_catch_up
 from lightning_smartinf.update.smart import SmartUpdater, device_specs
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,8 @@ class OffloadEngine:
         self.step_count = 0
         self.micro_batches = 0
         self.compression = compression or CompressionConfig()
+        if self.rule is not None and self.compression.kind == "topk" and self.compression.catch_up:
+            self.rule = with_catch_up(self.rule)
         self.overlap = overlap
         self._step_thread: threading.Thread | None = None
         self._progress = threading.Condition()

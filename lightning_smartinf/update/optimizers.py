@@ -18,6 +18,8 @@ from torch.optim import adamw as adamw_fn
 from torch.optim import sgd as sgd_fn
 
 SUPPORTED = "torch.optim.Adam, AdamW, SGD (with or without momentum) and Adagrad"
+LAST_STEP = "last_step"
+"""Catch-up's extra per-element state: the optimizer step the element last moved at."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,16 @@ def rule_for(optimizer: Optimizer) -> OptimizerRule:
             raise ValueError("Adagrad param groups with different initial_accumulator_value are not supported")
         return OptimizerRule("adagrad", (StateSpec("sum", float(inits.pop())),))
     raise TypeError(f"smart_infinity supports {SUPPORTED}; configure_optimizers returned {type(optimizer).__name__}")
+
+
+def with_catch_up(rule: OptimizerRule) -> OptimizerRule:
+    """The rule SmartComp's catch-up runs on the devices: Adam's state plus the step each element last moved."""
+    if rule.name not in ("adam", "adamw"):
+        raise ValueError(
+            f"compression.catch_up=true runs Adam's update on the devices; the optimizer is {rule.name}: use "
+            "torch.optim.Adam or AdamW, or set compression.catch_up=false"
+        )
+    return OptimizerRule(rule.name, (*rule.states, StateSpec(LAST_STEP, 0.0)))
 
 
 def hyperparameters(optimizer: Optimizer) -> list[dict[str, Any]]:

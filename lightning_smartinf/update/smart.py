@@ -38,12 +38,12 @@ from lightning_smartinf.update.opencl import (
     find_device,
     launch_shape,
 )
-from lightning_smartinf.update.optimizers import OptimizerRule
+from lightning_smartinf.update.optimizers import LAST_STEP, OptimizerRule
 
 MASTER = "master"
 HOST_LINK = "host"
 UPDATED = "updated_param"
-INDEX, VALUE = "grad_index", "grad_value"
+INDEX, VALUE, SQUARE = "grad_index", "grad_value", "grad_square"
 """Kinds of a compressed gradient on the host link."""
 """Kind of the parameters a device sends back (Smart-Infinity's 'updated params' on the host link)."""
 
@@ -65,16 +65,30 @@ def kernel_scalars(rule: OptimizerRule, hyper: dict[str, Any], step: int) -> lis
     raise AssertionError(rule.name)
 
 
+def catch_up_scalars(rule: OptimizerRule, hyper: dict[str, Any], step: int, start: int) -> list[Any]:
+    """The catch-up kernels' arguments (decay for adam_decay, the rest for adam_catch_up); ``start`` is the step
+    compression started after (its warmup), before which every element moved every step."""
+    f32 = np.float32
+    lr, wd = hyper["lr"], hyper["weight_decay"]
+    beta1, beta2 = hyper["betas"]
+    decoupled = rule.name == "adamw"
+    return [f32(1 - lr * wd if decoupled else 1.0), f32(beta1), f32(beta2), f32(hyper["eps"]),
+            f32(0.0 if decoupled else wd), f32(step), f32(start), f32(lr / (1 - beta1**step)),
+            f32((1 - beta2**step) ** 0.5)]  # fmt: skip
+
+
 class _Slot:
     """One fixed set of device buffers: master, optimizer state, gradient in, parameters out."""
 
     def __init__(self, cl: Any, context: Any, rule: OptimizerRule, numel: int, grad_dtype: torch.dtype,
-                 param_dtype: torch.dtype, max_nnz: int, allocator: Allocator) -> None:  # fmt: skip
+                 param_dtype: torch.dtype, max_nnz: int, squares: bool, allocator: Allocator) -> None:  # fmt: skip
         sizes = {k: 4 * numel for k in (MASTER, *rule.state_kinds)}
         sizes["grad"] = torch.empty((), dtype=grad_dtype).element_size() * numel
         sizes["param"] = torch.empty((), dtype=param_dtype).element_size() * numel
         if max_nnz:  # SmartComp: int32 indices and 16-bit values in, decompressed into "grad"
             sizes[INDEX], sizes[VALUE] = 4 * max_nnz, 2 * max_nnz
+            if squares:  # catch-up: the sums of squares travel too
+                sizes[SQUARE] = 2 * max_nnz
         self.allocator = allocator  # the device store's: page-locked, so its aio reads and writes need no bounce
         self.host = {kind: allocator.allocate(size) for kind, size in sizes.items()}
         flags = cl.mem_flags.READ_WRITE | cl.mem_flags.USE_HOST_PTR
@@ -152,9 +166,11 @@ class NearStorageDevice:
             values = VALUE_DTYPES[compression.value_dtype]
             sparse = build_program(self.context, self.device, values, values, None, SPARSE_SOURCE)
             self.zero_fill, self.scatter = sparse.zero_fill, sparse.scatter
+            self.decay, self.catch_up = sparse.adam_decay, sparse.adam_catch_up
             nnz = max_nnz(max_numel, compression)
-        self.slots = [_Slot(cl, self.context, rule, max_numel, grad_dtype, param_dtype, nnz, store.allocator)
-                      for _ in range(2)]  # fmt: skip
+        squares = compression is not None and compression.catch_up
+        self.slots = [_Slot(cl, self.context, rule, max_numel, grad_dtype, param_dtype, nnz, squares,
+                            store.allocator) for _ in range(2)]  # fmt: skip
         for slot in self.slots:
             slot.map(cl, self.queue)
         self.grad_dtype, self.param_dtype = grad_dtype, param_dtype
@@ -196,16 +212,27 @@ class NearStorageDevice:
                 for read in reads:
                     read.result()
                 slot.unmap(self.queue)
-                if job.sparse is not None:  # decompress on the device: zero-fill, scatter (in-order queue)
-                    n, nnz = np.uint32(job.sg.numel), np.uint32(job.sparse.indices.numel())
-                    self.zero_fill(self.queue, (job.sg.numel,), None, slot.buffers["grad"], n)
-                    self.scatter(self.queue, (int(nnz),), None, slot.buffers["grad"], n, slot.buffers[INDEX],
-                                 slot.buffers[VALUE], nnz)  # fmt: skip
-                event = self.kernel(self.queue, *launch_shape(job.sg.numel), *self._arguments(slot, job))
-                previous = (slot, event)
+                previous = (slot, self._launch(slot, job))
             except BaseException as err:  # noqa: BLE001 - surfaced to the trainer's thread
                 previous = None
                 self._put(err)
+
+    def _launch(self, slot: _Slot, job: _Job) -> Any:
+        """Enqueue the subgroup's kernels (one in-order queue) and return the last one's event."""
+        b, n = slot.buffers, np.uint32(job.sg.numel)
+        if job.sparse is None:
+            return self.kernel(self.queue, *launch_shape(job.sg.numel), *self._arguments(slot, job))
+        nnz = np.uint32(job.sparse.indices.numel())
+        if job.sparse.squares is not None:  # catch-up: decay every element, then move the received ones
+            decay, *args = job.kernel_args
+            self.decay(self.queue, (job.sg.numel,), None, b[MASTER], b["param"], n, decay)
+            state = [b[kind] for kind in self.rule.state_kinds]  # exp_avg, exp_avg_sq, last_step
+            return self.catch_up(self.queue, (int(nnz),), None, b[MASTER], *state, b["param"], n, b[INDEX],
+                                 b[VALUE], b[SQUARE], nnz, *args)  # fmt: skip
+        # decompress: zero-fill, scatter, then the optimizer kernel on the dense gradient
+        self.zero_fill(self.queue, (job.sg.numel,), None, b["grad"], n)
+        self.scatter(self.queue, (int(nnz),), None, b["grad"], n, b[INDEX], b[VALUE], nnz)
+        return self.kernel(self.queue, *launch_shape(job.sg.numel), *self._arguments(slot, job))
 
     def _put(self, item: Any) -> None:
         assert self.outbox is not None
@@ -227,6 +254,9 @@ class NearStorageDevice:
             typed_view(slot.host[VALUE], job.sparse.values.dtype, nnz).copy_(job.sparse.values)
             self.store.counters.add(HOST_LINK, INDEX, WRITE, nnz * 4)
             self.store.counters.add(HOST_LINK, VALUE, WRITE, nnz * job.sparse.values.element_size())
+            if job.sparse.squares is not None:
+                typed_view(slot.host[SQUARE], job.sparse.squares.dtype, nnz).copy_(job.sparse.squares)
+                self.store.counters.add(HOST_LINK, SQUARE, WRITE, nnz * job.sparse.squares.element_size())
         elif job.grad is not None:  # sent over the host link now
             grad.copy_(job.grad)
             self.store.counters.add(HOST_LINK, "grad", WRITE, job.grad.numel() * job.grad.element_size())
@@ -238,7 +268,7 @@ class NearStorageDevice:
 
     def _arguments(self, slot: _Slot, job: _Job) -> list[Any]:
         b = slot.buffers
-        state = [b[kind] for kind in self.rule.state_kinds]
+        state = [b[kind] for kind in self.rule.state_kinds if kind != LAST_STEP]  # the dense kernels' state
         common = [np.uint32(job.sg.numel), np.float32(job.ctx.inv_scale), np.float32(job.ctx.clip_coef)]
         return [b[MASTER], *state, b["grad"], b["param"], *common, *job.kernel_args]
 
@@ -350,7 +380,11 @@ class SmartUpdater:
             else:
                 grad = grads.fetch(sg).result()
                 if self.compressor is not None and ctx.step > self.compressor.cfg.warmup_steps:
-                    job = _Job(sg, None, True, ctx, self.compressor.compress(sg, grad), scalars[sg.param_group])
+                    sparse = self.compressor.compress(sg, grad, ctx)
+                    hyper = ctx.hyper[sg.param_group]
+                    args = (catch_up_scalars(self.rule, hyper, ctx.step, self.compressor.cfg.warmup_steps)
+                            if sparse.squares is not None else scalars[sg.param_group])  # fmt: skip
+                    job = _Job(sg, None, True, ctx, sparse, args)
                 else:
                     job = _Job(sg, grad.to(self.wire_dtype, copy=True), True, ctx, None, scalars[sg.param_group])
                 grads.release(sg)

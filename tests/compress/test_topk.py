@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from lightning_smartinf.compress.topk import TopKCompressor, max_nnz
 from lightning_smartinf.config import CompressionConfig
 from lightning_smartinf.engine.layout import Layout, Subgroup
+from lightning_smartinf.update.base import StepContext
+
+CTX = StepContext(1, [])
 
 
 def layout_of(numel: int) -> tuple[Layout, Subgroup]:
@@ -19,7 +24,7 @@ def test_selects_the_largest_magnitudes_of_each_block() -> None:
     cfg = CompressionConfig(kind="topk", keep=0.01, block=1000)
     layout, sg = layout_of(2500)  # two full blocks and a tail of 500
     grad = torch.randn(2500, generator=torch.Generator().manual_seed(0))
-    sparse = TopKCompressor(cfg, layout, torch.device("cpu")).compress(sg, grad)
+    sparse = TopKCompressor(cfg, layout, torch.device("cpu")).compress(sg, grad, CTX)
     expected = []
     for start, stop, k in ((0, 1000, 10), (1000, 2000, 10), (2000, 2500, 5)):
         expected.append(grad[start:stop].abs().topk(k).indices + start)
@@ -43,11 +48,38 @@ def test_error_feedback_keeps_exactly_what_was_not_sent() -> None:
     compressor = TopKCompressor(cfg, layout, torch.device("cpu"))
     gen = torch.Generator().manual_seed(1)
     g1, g2 = torch.randn(300, generator=gen), torch.randn(300, generator=gen)
-    first = compressor.compress(sg, g1)
+    first = compressor.compress(sg, g1, CTX)
     residual = compressor._residuals[0].clone()
     torch.testing.assert_close(first.to_dense() + residual, g1, rtol=0, atol=1e-6)
-    second = compressor.compress(sg, g2)
+    second = compressor.compress(sg, g2, CTX)
     torch.testing.assert_close(second.to_dense() + compressor._residuals[0], g2 + residual, rtol=0, atol=1e-6)
+
+
+def test_catch_up_sends_the_sums_of_prepared_gradients_and_squares_over_each_wait() -> None:
+    """Each sent element carries the sum of its unscaled, clipped gradients since it was last sent (through the
+    residual) and the sum of their squares; a sent element's sums start again from zero."""
+    cfg = CompressionConfig(kind="topk", keep=0.05, block=100, error_feedback=True, catch_up=True)
+    layout, sg = layout_of(300)
+    compressor = TopKCompressor(cfg, layout, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(2)
+    sums, squares = torch.zeros(300), torch.zeros(300)
+    for step in range(1, 6):
+        ctx = StepContext(step, [], inv_scale=0.5, clip_coef=0.8)
+        grad = torch.randn(300, generator=gen)
+        prepared = grad * 0.5 * 0.8
+        sums += prepared
+        squares += prepared.square()
+        sparse = compressor.compress(sg, grad, ctx)
+        sent = sparse.indices.long()
+        assert sparse.squares is not None and sparse.squares.dtype == torch.bfloat16
+        torch.testing.assert_close(sparse.values.float(), sums[sent], rtol=1e-2, atol=1e-6)  # bf16 on the wire
+        torch.testing.assert_close(sparse.squares.float(), squares[sent], rtol=1e-2, atol=1e-6)
+        sums[sent] -= sparse.values.float()  # what error feedback keeps
+        squares[sent] = 0.0
+        torch.testing.assert_close(compressor._residuals[0], sums, rtol=0, atol=1e-5)
+        torch.testing.assert_close(compressor._squares[0], squares, rtol=0, atol=1e-5)
+    assert sparse.nbytes == 15 * (4 + 2 + 2)
+    assert compressor.wire_ratio(300) == pytest.approx(15 * 8 / (300 * 4))
 
 
 def test_residual_placement_follows_the_budget() -> None:
@@ -55,11 +87,15 @@ def test_residual_placement_follows_the_budget() -> None:
     cfg = CompressionConfig(kind="topk", error_feedback=True, residual_budget_mb=2.0)  # room for two fp32 residuals
     compressor = TopKCompressor(cfg, Layout(blocks=[], subgroups=subgroups), torch.device("cpu"))
     assert compressor.residual_bytes == {"cpu/float32": 2 * 2**20, "cpu/bfloat16": 2**19}
+    catch_up = dataclasses.replace(cfg, catch_up=True)  # residual and sums of squares: one subgroup fits in fp32
+    compressor = TopKCompressor(catch_up, Layout(blocks=[], subgroups=subgroups), torch.device("cpu"))
+    assert compressor.residual_bytes == {"cpu/float32": 2 * 2**20, "cpu/bfloat16": 2 * 2**19 * 2}
 
 
 @pytest.mark.parametrize(("settings", "message"), [
     ({"keep": 0.0}, "compression.keep=0.0 must be in"), ({"keep": 1.5}, "compression.keep=1.5 must be in"),
     ({"value_dtype": "fp8"}, "compression.value_dtype"),
+    ({"catch_up": True}, "compression.catch_up=true needs compression.error_feedback=true"),
 ])  # fmt: skip
 def test_bad_settings_name_the_key(settings: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):

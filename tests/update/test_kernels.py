@@ -83,6 +83,70 @@ def run_scatter(platform: str, values_dtype: torch.dtype, n: int = 1003, nnz: in
     return dense, SparseGradient(indices, values, n).to_dense()
 
 
+def run_catch_up(platform: str, rule: str, values_dtype: torch.dtype, n: int = 1003,
+                 nnz: int = 37) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:  # fmt: skip
+    """adam_decay then adam_catch_up on the device; return (device tensors, PyTorch reference in float64)."""
+    import pyopencl as cl
+
+    from lightning_smartinf.update.opencl import SPARSE_SOURCE
+    from lightning_smartinf.update.smart import catch_up_scalars
+
+    device = find_device(DeviceSpec(platform=platform))
+    ctx = cl.Context([device])
+    queue = cl.CommandQueue(ctx)
+    program = build_program(ctx, device, values_dtype, values_dtype, None, SPARSE_SOURCE)
+    gen = torch.Generator().manual_seed(3)
+    step, start, hyper = 40, 10, HYPER[rule]
+    state = {
+        "master": torch.randn(n, generator=gen),
+        "exp_avg": torch.randn(n, generator=gen) * 0.1,
+        "exp_avg_sq": torch.rand(n, generator=gen) * 0.01,
+        "last_step": torch.randint(0, step, (n,), generator=gen).float(),  # some before compression started
+        "param": torch.empty(n),
+    }
+    indices = torch.randperm(n, generator=gen)[:nnz].sort().values.to(torch.int32)
+    values = torch.randn(nnz, generator=gen).to(values_dtype)
+    squares = (values.float().square() * (1 + torch.rand(nnz, generator=gen))).to(values_dtype)
+
+    ref = {k: v.double() for k, v in state.items() if k != "param"}
+    beta1, beta2 = hyper["betas"]
+    lr, wd, eps = hyper["lr"], hyper["weight_decay"], hyper["eps"]
+    if rule == "adamw":
+        ref["master"] *= 1 - lr * wd  # every element decays every step
+    i = indices.long()
+    t = step - ref["last_step"][i].clamp(min=start)
+    g, s = values.double() / t, squares.double() / t
+    p = ref["master"][i]
+    if rule == "adam":  # L2: grad + wd * p over the whole wait
+        g, s = g + wd * p, s + 2 * g * wd * p + (wd * p) ** 2
+    m = beta1**t * ref["exp_avg"][i] + (1 - beta1**t) * g
+    v = beta2**t * ref["exp_avg_sq"][i] + (1 - beta2**t) * s
+    step_size, bc2 = lr / (1 - beta1**step), (1 - beta2**step) ** 0.5
+    ref["master"][i] = p - t * step_size * m / (v.sqrt() / bc2 + eps)
+    ref["exp_avg"][i], ref["exp_avg_sq"][i], ref["last_step"][i] = m, v, float(step)
+
+    flags = cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR
+    tensors = [*state.values(), indices, values, squares]
+    bufs = [cl.Buffer(ctx, flags, hostbuf=t_.view(torch.uint8).numpy()) for t_ in tensors]
+    master, exp_avg, exp_avg_sq, last_step, param, index, value, square = bufs
+    decay, *args = catch_up_scalars(RULES[rule], hyper, step, start)
+    program.adam_decay(queue, (n,), None, master, param, np.uint32(n), decay)
+    program.adam_catch_up(queue, (nnz,), None, master, exp_avg, exp_avg_sq, last_step, param, np.uint32(n), index,
+                          value, square, np.uint32(nnz), *args)  # fmt: skip
+    for tensor, buf in zip(state.values(), bufs, strict=False):
+        cl.enqueue_copy(queue, tensor.view(torch.uint8).numpy(), buf)
+    return state, ref
+
+
+@pytest.mark.parametrize("rule", ["adamw", "adam"])
+@pytest.mark.parametrize("fmt", [torch.bfloat16, torch.float16])
+def test_catch_up_matches_torch(rule: str, fmt: torch.dtype) -> None:
+    got, want = run_catch_up("Portable", rule, fmt)
+    for kind, expected in want.items():
+        torch.testing.assert_close(got[kind].double(), expected, rtol=2e-5, atol=1e-7, msg=kind)
+    assert torch.equal(got["param"], got["master"])  # every element goes back, moved or only decayed
+
+
 @pytest.mark.parametrize("fmt", [torch.bfloat16, torch.float16])
 def test_scatter_matches_torch(fmt: torch.dtype) -> None:
     got, want = run_scatter("Portable", fmt)
@@ -116,6 +180,9 @@ def test_kernels_under_oclgrind_have_no_invalid_access() -> None:
         run_kernel("Oclgrind", "adam", torch.float16, torch.float16, steps=1, n=70)
         from test_kernels import run_scatter
         run_scatter("Oclgrind", torch.bfloat16, n=70, nnz=9)
+        from test_kernels import run_catch_up
+        run_catch_up("Oclgrind", "adam", torch.bfloat16, n=70, nnz=9)
+        run_catch_up("Oclgrind", "adamw", torch.float16, n=70, nnz=9)
         print("ran")
         """
     )
