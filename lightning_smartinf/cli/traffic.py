@@ -3,7 +3,8 @@
 Runs two iterations (backward + step) of a GPT recipe's model under each configuration and prints the second
 one's traffic (the first step starts optimizer state in memory), split by link and kind. The columns reproduce
 Smart-Infinity's Table I: the host update moves 32 B/param over the host link; SmartUpdate 8 B (fp32 on the wire)
-or 4 B (16-bit), with the optimizer state moving inside the devices instead; SmartComp at keep=0.01 about 4.06 B.
+or 4 B (16-bit), with the optimizer state moving inside the devices instead; SmartComp at keep=0.01 about 4.06 B
+(4.08 B with catch-up).
 
     smartinf-traffic --layers 4 --width 256 --devices 2
 """
@@ -23,7 +24,17 @@ from lightning_smartinf.config import CompressionConfig, OffloadConfig, UpdateCo
 from lightning_smartinf.engine.engine import OffloadEngine
 from lightning_smartinf.models.gpt import GPT, GPTConfig
 
-UPDATE_KINDS = ("grad", "grad_index", "grad_value", "master", "exp_avg", "exp_avg_sq", "updated_param")
+UPDATE_KINDS = (
+    "grad",
+    "grad_index",
+    "grad_value",
+    "grad_square",
+    "master",
+    "exp_avg",
+    "exp_avg_sq",
+    "last_step",
+    "updated_param",
+)
 
 
 @dataclass
@@ -44,6 +55,8 @@ def scenarios(devices: int) -> list[Scenario]:
         Scenario("SmartUpdate, 16-bit wire (bf16)", {**smart, "wire": "16bit"}, "cpu", torch.bfloat16),
         Scenario("SmartUpdate + SmartComp top-k keep=0.01 (fp32 params back)", smart, "cpu", torch.float32,
                  CompressionConfig(kind="topk", keep=0.01)),
+        Scenario("  + error feedback and catch-up (16-bit sums of squares too)", smart, "cpu", torch.float32,
+                 CompressionConfig(kind="topk", keep=0.01, error_feedback=True, catch_up=True)),
     ]  # fmt: skip
 
 
