@@ -97,6 +97,7 @@ class SmartInfinityMonitor(Callback):
             "storage_backend": engine.backend.name,
             "updater": engine.updater.name if engine.updater else None,
             "engine_host_buffers_MiB": engine.host_memory_bytes / 2**20,
+            "compression": engine.compressor.summary() if engine.compressor is not None else None,
             "traffic_bytes": table,
             "traffic_bytes_per_rank": [r["table"] for r in ranks],
             "host_link_bytes_per_param_per_step": sum(r["host"] for r in ranks) / params / max(steps, 1),

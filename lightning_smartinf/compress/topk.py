@@ -69,6 +69,7 @@ class TopKCompressor:
         self.cfg = cfg
         self.device = device
         self.value_dtype = VALUE_DTYPES[cfg.value_dtype]
+        self._numels = [sg.numel for sg in layout.subgroups]
         self._residuals: dict[int, torch.Tensor] = {}
         self._squares: dict[int, torch.Tensor] = {}
         if cfg.error_feedback:
@@ -112,10 +113,37 @@ class TopKCompressor:
             for index, buffer in mine.items():
                 buffer.copy_(saved[index])
 
+    @property
+    def element_bytes(self) -> int:
+        """Bytes per sent element: an int32 index, a 16-bit value and, with catch-up, a 16-bit sum of squares."""
+        return 4 + self.value_dtype.itemsize * (2 if self.cfg.catch_up else 1)
+
     def wire_ratio(self, numel: int) -> float:
         """Bytes on the wire over dense fp32 bytes for a subgroup of ``numel`` elements."""
-        per_element = 4 + self.value_dtype.itemsize * (2 if self.cfg.catch_up else 1)
-        return max_nnz(numel, self.cfg) * per_element / (4 * numel)
+        return max_nnz(numel, self.cfg) * self.element_bytes / (4 * numel)
+
+    def summary(self) -> dict[str, Any]:
+        """What the run reports about compression: ``keep`` and the wire ratio it gives over the whole model (bytes on
+        the wire per step over the dense fp32 gradient's), plus the error-feedback memory."""
+        sent = sum(max_nnz(numel, self.cfg) for numel in self._numels) * self.element_bytes
+        return {"keep": self.cfg.keep, "block": self.cfg.block, "wire_ratio": sent / (4 * sum(self._numels)),
+                "error_feedback": self.cfg.error_feedback, "catch_up": self.cfg.catch_up,
+                "warmup_steps": self.cfg.warmup_steps, "residual_bytes": self.residual_bytes}  # fmt: skip
+
+    def describe(self) -> str:
+        """One line for the start-up log and the run summary."""
+        s, dtype = self.summary(), self.cfg.value_dtype
+        wire = f"int32 index + {dtype} value" + (f" + {dtype} sum of squares" if self.cfg.catch_up else "")
+        parts = [f"top-k keep={s['keep']:g} per {s['block']}-element block, wire {s['wire_ratio']:.4f} of the dense "
+                 f"fp32 gradient ({wire})"]  # fmt: skip
+        if self.cfg.error_feedback:
+            memory = ", ".join(f"{where} {n / 2**20:.1f} MiB" for where, n in s["residual_bytes"].items())
+            parts.append(f"error feedback ({memory})")
+        if self.cfg.catch_up:
+            parts.append("catch-up")
+        if self.cfg.warmup_steps:
+            parts.append(f"dense for the first {self.cfg.warmup_steps} steps")
+        return "; ".join(parts)
 
     def compress(self, sg: Subgroup, grad: torch.Tensor, ctx: StepContext) -> SparseGradient:
         """Select each block's largest magnitudes of ``grad`` (+ the residual), on the training device.

@@ -218,6 +218,11 @@ class OffloadEngine:
         return flat
 
     @property
+    def compressor(self) -> TopKCompressor | None:
+        """SmartComp's compressor when gradients travel compressed (``update=smart``, ``compression=topk``)."""
+        return self.updater.compressor if isinstance(self.updater, SmartUpdater) else None
+
+    @property
     def host_memory_bytes(self) -> int:
         """Host memory held by the engine's buffer pools (fixed at set-up)."""
         pools = self.params.host_bytes + self.grads.host_bytes + self._grad_flat.numel()

@@ -19,7 +19,6 @@ import torch
 
 from lightning_smartinf.checkpoint.files import copy_file
 from lightning_smartinf.checkpoint.manifest import COPY_THREADS, CheckpointWriter, Manifest
-from lightning_smartinf.update.smart import SmartUpdater
 
 if TYPE_CHECKING:
     from lightning_smartinf.engine.engine import OffloadEngine
@@ -83,13 +82,9 @@ def _signature(engine: OffloadEngine) -> dict[str, Any]:
     }
 
 
-def _compressor(engine: OffloadEngine) -> Any:
-    return engine.updater.compressor if isinstance(engine.updater, SmartUpdater) else None
-
-
 def engine_nbytes(engine: OffloadEngine) -> int:
     """Bytes ``save_engine_state`` writes."""
-    compressor = _compressor(engine)
+    compressor = engine.compressor
     residuals = sum(compressor.residual_bytes.values()) if compressor is not None else 0
     return sum(live.stat().st_size for live, _ in state_files(engine)) + residuals
 
@@ -99,7 +94,7 @@ def save_engine_state(engine: OffloadEngine, writer: CheckpointWriter, prefix: s
     engine.wait_step()  # consistent as of a step boundary
     for live, relative in state_files(engine):
         writer.copy(live, f"{prefix}/{relative}")
-    compressor = _compressor(engine)
+    compressor = engine.compressor
     if compressor is not None and compressor.has_state:
         buffer = io.BytesIO()
         torch.save(compressor.state_dict(), buffer)
@@ -132,7 +127,7 @@ def load_engine_state(engine: OffloadEngine, manifest: Manifest, prefix: str, me
                     copies.append((saved, state_dir / kind / sg.key))
     with ThreadPoolExecutor(max_workers=COPY_THREADS, thread_name_prefix="smartinf-restore") as pool:
         list(pool.map(lambda pair: copy_file(pair[0], pair[1], replace=True), copies))
-    compressor = _compressor(engine)
+    compressor = engine.compressor
     if compressor is not None and compressor.has_state:
         compressor.load_state_dict(torch.load(root / RESIDUALS, weights_only=True))
     engine.step_count = meta["step_count"]

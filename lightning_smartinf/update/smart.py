@@ -345,6 +345,8 @@ class SmartUpdater:
         self._routes = {sg.key: self.owner(sg).host_view for sg in layout.subgroups}
         wire = "fp32" if wire_dtype == torch.float32 else str(wire_dtype).replace("torch.", "")
         self.name = f"smart ({len(self.devices)} OpenCL device(s): {self.devices[0].device.name}; {wire} on the wire)"
+        if compressor is not None:
+            self.name += f"; SmartComp {compressor.describe()}"
 
     @property
     def host_bytes(self) -> int:

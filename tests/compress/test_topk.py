@@ -42,6 +42,19 @@ def test_wire_ratio_formula() -> None:
     assert ratio == pytest.approx(41 * 16 * 6 / (4096 * 16 * 4))  # round(0.01 * 4096) = 41 per block
 
 
+def test_summary_reports_keep_and_the_models_wire_ratio() -> None:
+    subgroups = [Subgroup(index=i, block=0, param_group=0, offset=0, numel=n) for i, n in enumerate((8192, 5000))]
+    layout = Layout(blocks=[], subgroups=subgroups)
+    plain = TopKCompressor(CompressionConfig(kind="topk", keep=0.01, block=4096), layout, torch.device("cpu"))
+    kept = 41 * 2 + 41 + 9  # two full blocks, then a block and a tail of 904 in the second subgroup
+    assert plain.summary()["wire_ratio"] == pytest.approx(kept * 6 / (13192 * 4))
+    assert plain.describe().startswith("top-k keep=0.01 per 4096-element block, wire 0.0150 of the dense fp32")
+    cfg = CompressionConfig(kind="topk", keep=0.01, block=4096, error_feedback=True, catch_up=True)
+    catch_up = TopKCompressor(cfg, layout, torch.device("cpu"))
+    assert catch_up.summary()["wire_ratio"] == pytest.approx(kept * 8 / (13192 * 4))
+    assert "bf16 sum of squares" in catch_up.describe() and "error feedback (cpu/float32 0.1 MiB)" in catch_up.describe()
+
+
 def test_error_feedback_keeps_exactly_what_was_not_sent() -> None:
     cfg = CompressionConfig(kind="topk", keep=0.05, block=100, error_feedback=True)
     layout, sg = layout_of(300)
