@@ -52,7 +52,8 @@ def test_summary_reports_keep_and_the_models_wire_ratio() -> None:
     cfg = CompressionConfig(kind="topk", keep=0.01, block=4096, error_feedback=True, catch_up=True)
     catch_up = TopKCompressor(cfg, layout, torch.device("cpu"))
     assert catch_up.summary()["wire_ratio"] == pytest.approx(kept * 8 / (13192 * 4))
-    assert "bf16 sum of squares" in catch_up.describe() and "error feedback (cpu/float32 0.1 MiB)" in catch_up.describe()
+    line = catch_up.describe()
+    assert "bf16 sum of squares" in line and "error feedback (cpu/float32 0.1 MiB); catch-up" in line
 
 
 def test_error_feedback_keeps_exactly_what_was_not_sent() -> None:

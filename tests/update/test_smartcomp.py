@@ -69,6 +69,12 @@ def test_catch_up_resumes_where_it_stopped(tmp_path: Path) -> None:
     assert all(torch.equal(got[k], expected[k]) for k in expected)
 
 
+def test_error_feedback_without_catch_up_under_adam_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    fit(make_module(lr=1e-3), strategy(tmp_path, {"kind": "topk", "error_feedback": True}), precision="32-true",
+        max_steps=1)  # fmt: skip
+    assert "add compression.catch_up=true" in caplog.text
+
+
 def test_catch_up_needs_adam(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="compression.catch_up=true runs Adam's update.*the optimizer is sgd"):
         fit(make_module("sgd", lr=1e-3), strategy(tmp_path, CATCH_UP), precision="32-true", max_steps=1)
