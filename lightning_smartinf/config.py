@@ -160,7 +160,8 @@ class CompressionConfig:
     value_dtype: str = "bf16"
     """16-bit type of the values on the wire: ``bf16`` or ``fp16``."""
     residual_budget_mb: float = 1024.0
-    """Error-feedback residual kept fp32 in training-device memory up to this many MiB; the rest in 16-bit host RAM."""
+    """Error-feedback residual (with catch-up, also the sums of squares) kept fp32 in training-device memory up to
+    this many MiB; the rest in 16-bit host RAM."""
 
     def __post_init__(self) -> None:
         _check_choice("compression.kind", self.kind, ("none", "topk"))
