@@ -118,10 +118,6 @@ class TopKCompressor:
         """Bytes per sent element: an int32 index, a 16-bit value and, with catch-up, a 16-bit sum of squares."""
         return 4 + self.value_dtype.itemsize * (2 if self.cfg.catch_up else 1)
 
-    def wire_ratio(self, numel: int) -> float:
-        """Bytes on the wire over dense fp32 bytes for a subgroup of ``numel`` elements."""
-        return max_nnz(numel, self.cfg) * self.element_bytes / (4 * numel)
-
     def summary(self) -> dict[str, Any]:
         """What the run reports about compression: ``keep`` and the wire ratio it gives over the whole model (bytes on
         the wire per step over the dense fp32 gradient's), plus the error-feedback memory."""

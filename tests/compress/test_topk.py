@@ -38,7 +38,7 @@ def test_selects_the_largest_magnitudes_of_each_block() -> None:
 def test_wire_ratio_formula() -> None:
     cfg = CompressionConfig(kind="topk", keep=0.01, block=4096)
     layout, sg = layout_of(4096 * 16)
-    ratio = TopKCompressor(cfg, layout, torch.device("cpu")).wire_ratio(sg.numel)
+    ratio = TopKCompressor(cfg, layout, torch.device("cpu")).summary()["wire_ratio"]
     assert ratio == pytest.approx(41 * 16 * 6 / (4096 * 16 * 4))  # round(0.01 * 4096) = 41 per block
 
 
@@ -93,7 +93,7 @@ def test_catch_up_sends_the_sums_of_prepared_gradients_and_squares_over_each_wai
         torch.testing.assert_close(compressor._residuals[0], sums, rtol=0, atol=1e-5)
         torch.testing.assert_close(compressor._squares[0], squares, rtol=0, atol=1e-5)
     assert sparse.nbytes == 15 * (4 + 2 + 2)
-    assert compressor.wire_ratio(300) == pytest.approx(15 * 8 / (300 * 4))
+    assert compressor.summary()["wire_ratio"] == pytest.approx(15 * 8 / (300 * 4))
 
 
 def test_residual_placement_follows_the_budget() -> None:
