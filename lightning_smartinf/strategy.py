@@ -275,7 +275,7 @@ class SmartInfinityStrategy(ParallelStrategy):
         machine = measure_machine(self.root_device, self.engine.root, self.engine.backend,
                                   update_rate(self.engine), self.engine.param_dtype,
                                   memory_budget(self.root_device), memory_budget(torch.device("cpu")))  # fmt: skip
-        log.info("schedule=auto: the model's blocks run at %.2f TFLOP/s here (a 2048^3 matmul: %.2f)",
+        log.info("schedule=auto: the model's blocks run at %.3g TFLOP/s here (a 2048^3 matmul: %.3g)",
                  flops / 1e12, machine.flops / 1e12)  # fmt: skip
         machine = replace(machine, flops=min(flops, machine.flops))
         chosen = self.broadcast(plan(work, machine))  # rank 0's plan for every rank: one schedule, one result

@@ -38,6 +38,8 @@ class Workload:
     steps: int = 3
     subgroup_size: int = 1 << 24
     accelerator: str = "cpu"
+    catch_up: bool = False
+    """(e) runs SmartComp with ``compression.catch_up`` (docs/compression.md)."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -98,5 +100,5 @@ def strategy_settings(system: str, w: Workload, nvme_path: str) -> dict[str, Any
     if system in ("d", "e"):
         settings["update"] = {"backend": "smart", "devices": w.devices}
     if system == "e":
-        settings["compression"] = {"kind": "topk", "keep": 0.01, "error_feedback": True}
+        settings["compression"] = {"kind": "topk", "keep": 0.01, "error_feedback": True, "catch_up": w.catch_up}
     return settings

@@ -9,7 +9,8 @@ a Markdown table, a PNG and the raw JSON, plus the exact DeepSpeed config it ran
 
 Systems: (a) DeepSpeed ZeRO-Infinity (ZeRO-3, params + optimizer on NVMe, DeepSpeedCPUAdam); (b) smart_infinity,
 horizontal, host update; (c) + vertical schedule and step overlap; (d) + SmartUpdate on ``--devices`` near-storage
-devices; (e) + SmartComp (top-k 1%, error feedback). See ``bench/systems.py``.
+devices; (e) + SmartComp (top-k 1%, error feedback; with ``--catch-up`` also compression.catch_up). See
+``bench/systems.py``.
 """
 
 from __future__ import annotations
@@ -161,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int)
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     parser.add_argument("--devices", type=int, default=2, help="near-storage devices for (d) and (e)")
+    parser.add_argument("--catch-up", action="store_true", help="(e) with compression.catch_up (docs/compression.md)")
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--accelerator", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--nvme-path", default="smartinf_bench_state")
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     nvme = Path(args.nvme_path).absolute()
     nvme.mkdir(parents=True, exist_ok=True)
     w = Workload(model, args.seq, args.micro_batch, args.micro_batches, args.precision, str(nvme), args.devices,
-                 args.warmup, args.steps, accelerator=args.accelerator)  # fmt: skip
+                 args.warmup, args.steps, accelerator=args.accelerator, catch_up=args.catch_up)  # fmt: skip
     out = Path(args.out)
     work = out / "runs"
     work.mkdir(parents=True, exist_ok=True)
