@@ -47,6 +47,22 @@ def test_catch_up_keeping_everything_is_dense_training(tmp_path: Path, optimizer
     assert relative_error(trainer.strategy.consolidated_state_dict(), reference) < 1e-4
 
 
+def test_catch_up_with_fp16_loss_scaling(tmp_path: Path) -> None:
+    """fp16-mixed: gradients are unscaled before they join the sums, and overflowing steps never reach them; with
+    keep=1 training follows uncompressed SmartUpdate under the same loss scaler."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    def run(path: Path, compression: dict[str, object]) -> dict[str, torch.Tensor]:
+        trainer = fit(make_module(lr=1e-3), strategy(path, compression), plugins=[MixedPrecision("16-mixed", "cpu")],
+                      gradient_clip_val=0.5)  # fmt: skip
+        assert trainer.strategy.engine.scaler is not None
+        return trainer.strategy.consolidated_state_dict()
+
+    dense, caught_up = run(tmp_path / "dense", {"kind": "none"}), run(tmp_path / "topk", {**CATCH_UP, "keep": 1.0})
+    diff = torch.cat([(caught_up[k] - dense[k]).reshape(-1) for k in dense])
+    assert float(diff.norm() / torch.cat([v.reshape(-1) for v in dense.values()]).norm()) < 1e-3
+
+
 def test_catch_up_resumes_where_it_stopped(tmp_path: Path) -> None:
     """The residuals, the sums of squares and each element's last step survive a checkpoint: a resumed run ends
     with the same parameters as one that never stopped."""
