@@ -7,6 +7,16 @@
 #define VALUE_FORMAT 1
 #endif
 
+#pragma OPENCL FP_CONTRACT OFF
+
+inline float load_value(__global const ushort* value, uint j) {
+#if VALUE_FORMAT == 1
+    return as_float(((uint)value[j]) << 16);
+#else
+    return vload_half(j, (__global const half*)value);
+#endif
+}
+
 __kernel void zero_fill(__global float* grad, const uint n) {
     const uint i = get_global_id(0);
     if (i < n) grad[i] = 0.0f;
@@ -18,11 +28,7 @@ __kernel void scatter(__global float* grad, const uint n, __global const int* in
     if (j >= nnz) return;
     const int i = index[j];
     if (i < 0 || (uint)i >= n) return;  // a malformed index never writes outside the subgroup
-#if VALUE_FORMAT == 1
-    grad[i] = as_float(((uint)value[j]) << 16);
-#else
-    grad[i] = vload_half(j, (__global const half*)value);
-#endif
+    grad[i] = load_value(value, j);
 }
 
 // ---- catch-up Adam / AdamW (compression.catch_up) -------------------------------------------------------------------
@@ -32,17 +38,7 @@ __kernel void scatter(__global float* grad, const uint n, __global const int* in
 // moments advance T steps at once with the wait's mean gradient g and mean square s (m = beta1^T m + (1 - beta1^T) g,
 // v likewise), and the parameter moves T steps of the result. Decoupled weight decay, which every element takes every
 // step, runs first over the whole subgroup (adam_decay); Adam's L2 term joins g (and s) at the current parameter.
-// The arithmetic runs without FMA contraction, like optimizers.cl.
-
-#pragma OPENCL FP_CONTRACT OFF
-
-inline float load_value(__global const ushort* value, uint j) {
-#if VALUE_FORMAT == 1
-    return as_float(((uint)value[j]) << 16);
-#else
-    return vload_half(j, (__global const half*)value);
-#endif
-}
+// The arithmetic runs without FMA contraction (the pragma at the top), like optimizers.cl.
 
 __kernel void adam_decay(__global float* master, __global float* param_out, const uint n, const float decay) {
     const uint i = get_global_id(0);
