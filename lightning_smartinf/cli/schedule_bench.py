@@ -8,7 +8,7 @@ with how close each run gets:
 - compute: the same run with its state directory in RAM (``--ram-path``, a tmpfs): everything the step does but
   wait for the disk (on a CPU-only machine that includes the optimizer math and the copies, on the same cores);
 - disk time: the iteration's bytes, counted over the measured steps only, at the disk's speed measured just before
-  the run (``storage.probe.measure_disk``: reads alone, writes alone and both at once, sustained over
+  the run (``storage.probe.probe_disk``: reads alone, writes alone and both at once, sustained over
   ``--probe-gb``).
 
 Writes a Markdown table, a JSON file and a PNG.
@@ -32,10 +32,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_smartinf.models.gpt import GPTConfig, GPTModule
-from lightning_smartinf.storage.counters import TrafficCounters
-from lightning_smartinf.storage.io import backend_for
-from lightning_smartinf.storage.probe import DiskSpeeds, measure_disk
-from lightning_smartinf.storage.store import FileStore
+from lightning_smartinf.storage.probe import probe_disk
 from lightning_smartinf.strategy import SmartInfinityStrategy
 
 matplotlib.use("Agg")
@@ -61,15 +58,6 @@ class StepTimer(pl.Callback):
             host = engine.counters
             self.stamps.append((time.perf_counter(), host.total(link="host", direction="read"),
                                 host.total(link="host", direction="write")))  # fmt: skip
-
-
-def probe_disk(directory: Path, nbytes: int) -> DiskSpeeds:
-    """The disk under ``directory`` through the engine's default I/O backend."""
-    backend = backend_for(directory)
-    try:
-        return measure_disk(FileStore(directory, backend, TrafficCounters(), "probe"), nbytes)
-    finally:
-        backend.close()
 
 
 def run_mode(

@@ -24,10 +24,8 @@ from pathlib import Path
 
 import torch
 
-from lightning_smartinf.storage.counters import TrafficCounters
-from lightning_smartinf.storage.io import IOBackend, backend_for
-from lightning_smartinf.storage.probe import measure_disk
-from lightning_smartinf.storage.store import FileStore
+from lightning_smartinf.storage.io import IOBackend
+from lightning_smartinf.storage.probe import probe_disk
 
 
 @dataclass
@@ -108,10 +106,10 @@ def plan(work: Workload, machine: Machine, max_micro_batches: int = 16) -> Plan:
     return best
 
 
-def measure_machine(device: torch.device, directory: Path, backend: IOBackend, update_params_per_s: float,
+def measure_machine(device: torch.device, directory: Path, backend: IOBackend | None, update_params_per_s: float,
                     dtype: torch.dtype, device_memory: int, host_memory: int) -> Machine:  # fmt: skip
     """Short probes: the best of a few 2048^3 matmuls for FLOP/s; 128 MiB written and read, 8 requests of 16 MiB at a
-    time through the engine's I/O backend, for disk bandwidth (``measure_disk``)."""
+    time through the engine's I/O backend (None: one of its default kind), for disk bandwidth (``probe_disk``)."""
     n = 2048
     a = torch.randn(n, n, device=device, dtype=dtype)
     flops = 0.0
@@ -121,15 +119,11 @@ def measure_machine(device: torch.device, directory: Path, backend: IOBackend, u
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         flops = max(flops, 2 * n**3 / (time.perf_counter() - start))
-    disk = measure_disk(FileStore(directory, backend, TrafficCounters(), "probe"), 128 * 2**20)
+    disk = probe_disk(directory, 128 * 2**20, backend)
     return Machine(flops, disk.read, disk.write, update_params_per_s, device_memory, host_memory)
 
 
 def probe_machine(device: torch.device, directory: Path, dtype: torch.dtype) -> Machine:
     """``measure_machine`` for a command without an engine: FLOP/s and the disk under ``directory`` through an I/O
     backend of its own (speeds only: no update rate, no memory limits)."""
-    backend = backend_for(directory)
-    try:
-        return measure_machine(device, directory, backend, float("inf"), dtype, 0, 0)
-    finally:
-        backend.close()
+    return measure_machine(device, directory, None, float("inf"), dtype, 0, 0)

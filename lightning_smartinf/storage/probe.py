@@ -12,9 +12,12 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from lightning_smartinf.storage.counters import TrafficCounters
+from lightning_smartinf.storage.io import IOBackend, backend_for
 from lightning_smartinf.storage.store import FileStore
 
 _KIND = "probe"
@@ -73,3 +76,15 @@ def measure_disk(store: FileStore, nbytes: int, chunk: int = 16 * 2**20, infligh
             for i in range(chunks):
                 store.path(_KIND, f"{name}{i}").unlink(missing_ok=True)
     return DiskSpeeds(read, write, mixed)
+
+
+def probe_disk(directory: Path, nbytes: int, backend: IOBackend | None = None) -> DiskSpeeds:
+    """``measure_disk`` under ``directory`` through ``backend`` (an engine's), or through a backend of the engine's
+    default kind opened and closed here (commands that probe a disk without an engine)."""
+    own = backend is None
+    backend = backend_for(directory) if backend is None else backend
+    try:
+        return measure_disk(FileStore(directory, backend, TrafficCounters(), _KIND), nbytes)
+    finally:
+        if own:
+            backend.close()
