@@ -372,7 +372,12 @@ class SmartUpdater:
         outbox: queue.Queue[Any] = queue.Queue()
         for device in self.devices:
             device.outbox = outbox
-        scalars = [kernel_scalars(self.rule, hyper, ctx.step) for hyper in ctx.hyper]
+        compressor = self.compressor if self.compressor and ctx.step > self.compressor.cfg.warmup_steps else None
+        if compressor is not None and compressor.cfg.catch_up:  # every job this step runs the catch-up kernels
+            start = compressor.cfg.warmup_steps
+            scalars = [catch_up_scalars(self.rule, hyper, ctx.step, start) for hyper in ctx.hyper]
+        else:
+            scalars = [kernel_scalars(self.rule, hyper, ctx.step) for hyper in ctx.hyper]
         pending = 0
         grads.sync()
         for sg in subgroups:
@@ -381,12 +386,8 @@ class SmartUpdater:
                 job = _Job(sg, None, grads.holds(sg), ctx, None, scalars[sg.param_group])
             else:
                 grad = grads.fetch(sg).result()
-                if self.compressor is not None and ctx.step > self.compressor.cfg.warmup_steps:
-                    sparse = self.compressor.compress(sg, grad, ctx)
-                    hyper = ctx.hyper[sg.param_group]
-                    args = (catch_up_scalars(self.rule, hyper, ctx.step, self.compressor.cfg.warmup_steps)
-                            if sparse.squares is not None else scalars[sg.param_group])  # fmt: skip
-                    job = _Job(sg, None, True, ctx, sparse, args)
+                if compressor is not None:
+                    job = _Job(sg, None, True, ctx, compressor.compress(sg, grad, ctx), scalars[sg.param_group])
                 else:
                     job = _Job(sg, grad.to(self.wire_dtype, copy=True), True, ctx, None, scalars[sg.param_group])
                 grads.release(sg)
