@@ -107,14 +107,15 @@ class OffloadEngine:
         self.step_count = 0
         self.micro_batches = 0
         self.compression = compression or CompressionConfig()
-        if self.rule is not None and self.compression.kind == "topk" and self.compression.catch_up:
-            self.rule = with_catch_up(self.rule)
-        elif self.rule is not None and self.rule.name in ("adam", "adamw") and self.compression.error_feedback:
-            log.warning(
-                "compression.error_feedback=true without compression.catch_up=true: under Adam the saved-up residual "
-                "arrives as one normalised step, which trains worse than top-k alone (docs/compression.md); add "
-                "compression.catch_up=true"
-            )
+        if self.rule is not None and self.compression.kind == "topk":
+            if self.compression.catch_up:
+                self.rule = with_catch_up(self.rule)
+            elif self.rule.name in ("adam", "adamw") and self.compression.error_feedback:
+                log.warning(
+                    "compression.error_feedback=true without compression.catch_up=true: under Adam the saved-up "
+                    "residual arrives as one normalised step, which trains worse than top-k alone "
+                    "(docs/compression.md); add compression.catch_up=true"
+                )
         self.overlap = overlap
         self._step_thread: threading.Thread | None = None
         self._progress = threading.Condition()
