@@ -6,12 +6,20 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from lightning_smartinf.update.opencl import DeviceSpec, build_program, find_device, launch_shape
+from lightning_smartinf.update.opencl import (
+    KERNEL_SOURCE,
+    SPARSE_SOURCE,
+    DeviceSpec,
+    build_program,
+    find_device,
+    launch_shape,
+)
 from lightning_smartinf.update.optimizers import OptimizerRule, StateSpec, torch_update
 from lightning_smartinf.update.smart import kernel_scalars
 
@@ -29,16 +37,23 @@ HYPER = {
 }
 
 
+def open_program(platform: str, grad_dtype: torch.dtype, param_dtype: torch.dtype,
+                 source: str = KERNEL_SOURCE) -> tuple[Any, Any, Any]:  # fmt: skip
+    """(context, queue, built program) for ``fpga_kernels/<source>`` on the platform's first device."""
+    import pyopencl as cl
+
+    device = find_device(DeviceSpec(platform=platform))
+    ctx = cl.Context([device])
+    return ctx, cl.CommandQueue(ctx), build_program(ctx, device, grad_dtype, param_dtype, None, source)
+
+
 def run_kernel(platform: str, name: str, grad_dtype: torch.dtype, param_dtype: torch.dtype, steps: int = 3,
                n: int = 1003) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Run ``steps`` updates on device; return (device master, torch reference master, device 16-bit params)."""
     import pyopencl as cl
 
     rule, hyper = RULES[name], HYPER[name]
-    device = find_device(DeviceSpec(platform=platform))
-    ctx = cl.Context([device])
-    queue = cl.CommandQueue(ctx)
-    program = build_program(ctx, device, grad_dtype, param_dtype, None)
+    ctx, queue, program = open_program(platform, grad_dtype, param_dtype)
     kernel = getattr(program, "adam" if name == "adamw" else name)
     gen = torch.Generator().manual_seed(0)
     master = torch.randn(n, generator=gen)
@@ -65,12 +80,8 @@ def run_scatter(platform: str, values_dtype: torch.dtype, n: int = 1003, nnz: in
     import pyopencl as cl
 
     from lightning_smartinf.compress.topk import SparseGradient
-    from lightning_smartinf.update.opencl import SPARSE_SOURCE
 
-    device = find_device(DeviceSpec(platform=platform))
-    ctx = cl.Context([device])
-    queue = cl.CommandQueue(ctx)
-    program = build_program(ctx, device, values_dtype, values_dtype, None, SPARSE_SOURCE)
+    ctx, queue, program = open_program(platform, values_dtype, values_dtype, SPARSE_SOURCE)
     gen = torch.Generator().manual_seed(0)
     indices = torch.randperm(n, generator=gen)[:nnz].sort().values.to(torch.int32)
     values = torch.randn(nnz, generator=gen).to(values_dtype)
@@ -88,13 +99,9 @@ def run_catch_up(platform: str, rule: str, values_dtype: torch.dtype, n: int = 1
     """adam_decay then adam_catch_up on the device; return (device tensors, PyTorch reference in float64)."""
     import pyopencl as cl
 
-    from lightning_smartinf.update.opencl import SPARSE_SOURCE
     from lightning_smartinf.update.smart import catch_up_scalars
 
-    device = find_device(DeviceSpec(platform=platform))
-    ctx = cl.Context([device])
-    queue = cl.CommandQueue(ctx)
-    program = build_program(ctx, device, values_dtype, values_dtype, None, SPARSE_SOURCE)
+    ctx, queue, program = open_program(platform, values_dtype, values_dtype, SPARSE_SOURCE)
     gen = torch.Generator().manual_seed(3)
     step, start, hyper = 40, 10, HYPER[rule]
     state = {
