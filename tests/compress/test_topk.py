@@ -96,6 +96,18 @@ def test_catch_up_sends_the_sums_of_prepared_gradients_and_squares_over_each_wai
     assert compressor.summary()["wire_ratio"] == pytest.approx(15 * 8 / (300 * 4))
 
 
+def test_residuals_saved_before_catch_up_existed_still_load() -> None:
+    """Checkpoints written before catch-up hold the residuals as a flat {subgroup index: tensor} dict."""
+    cfg = CompressionConfig(kind="topk", keep=0.05, block=100, error_feedback=True)
+    layout, _ = layout_of(300)
+    compressor = TopKCompressor(cfg, layout, torch.device("cpu"))
+    saved = torch.randn(300, generator=torch.Generator().manual_seed(3))
+    compressor.load_state_dict({0: saved})
+    assert torch.equal(compressor._residuals[0], saved)
+    with pytest.raises(ValueError, match="another compression.catch_up setting"):
+        TopKCompressor(dataclasses.replace(cfg, catch_up=True), layout, torch.device("cpu")).load_state_dict({0: saved})
+
+
 def test_residual_placement_follows_the_budget() -> None:
     subgroups = [Subgroup(index=i, block=0, param_group=0, offset=0, numel=2**18) for i in range(3)]
     cfg = CompressionConfig(kind="topk", error_feedback=True, residual_budget_mb=2.0)  # room for two fp32 residuals
