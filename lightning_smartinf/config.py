@@ -185,7 +185,7 @@ class ScheduleConfig:
 
     kind: str = "horizontal"
     """``horizontal``: each micro-batch runs through the whole model (works with any module). ``vertical``: all
-    micro-batches through one block before the next (GreedySnake; the module implements vertical_pre/loss).
+    micro-batches through one block before the next (GreedySnake; any module, faster with vertical_pre/loss).
     ``auto``: vertical, with micro_batches, overlap and checkpoint placement chosen by the roofline planner from
     short measurements at the first batch (schedule/planner.py)."""
     micro_batches: int = 1

@@ -61,8 +61,9 @@ from lightning_smartinf.engine.planning import block_flops, memory_budget, updat
 from lightning_smartinf.engine.snapshot import engine_nbytes, load_engine_state, save_engine_state
 from lightning_smartinf.monitor import SmartInfinityMonitor
 from lightning_smartinf.precision import SmartInfinityPrecision
+from lightning_smartinf.schedule.parked import ParkedVertical
 from lightning_smartinf.schedule.planner import Plan, measure_machine, plan
-from lightning_smartinf.schedule.vertical import CheckpointTiers, VerticalSchedule, check_protocol
+from lightning_smartinf.schedule.vertical import CheckpointTiers, VerticalSchedule, check_protocol, has_protocol
 from lightning_smartinf.storage.space import human_bytes
 
 log = logging.getLogger(__name__)
@@ -118,7 +119,7 @@ class SmartInfinityStrategy(ParallelStrategy):
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         self._resume_from: Manifest | None = None
         self.last_save: SaveRecord | None = None
-        self.vertical: VerticalSchedule | None = None
+        self.vertical: VerticalSchedule | ParkedVertical | None = None
         self.plan: Plan | None = None
         self._trainer: pl.Trainer | None = None
 
@@ -245,9 +246,10 @@ class SmartInfinityStrategy(ParallelStrategy):
         if not any(isinstance(cb, SmartInfinityMonitor) for cb in callbacks):
             callbacks.append(SmartInfinityMonitor())
 
-    def _vertical_schedule(self, trainer: pl.Trainer, s: ScheduleConfig) -> VerticalSchedule:
+    def _vertical_schedule(self, trainer: pl.Trainer, s: ScheduleConfig) -> VerticalSchedule | ParkedVertical:
+        """The explicit protocol's schedule where the module has ``vertical_pre``/``vertical_loss`` (the fast path:
+        checkpoints may go to host memory or storage), else its own training_step parked at every block."""
         assert self.engine is not None
-        check_protocol(self.lightning_module)
         if trainer.accumulate_grad_batches != 1:
             raise ValueError(
                 "schedule=vertical accumulates over schedule.micro_batches inside each batch: leave "
@@ -259,11 +261,13 @@ class SmartInfinityStrategy(ParallelStrategy):
                 "schedule.eager_update starts block updates before backward ends, so it cannot honour "
                 "gradient_clip_val or fp16 loss scaling (both need the global gradient norm first): turn one off"
             )
+        if not has_protocol(self.lightning_module):
+            return ParkedVertical(self.engine, s.micro_batches, s.eager_update)
         tiers = CheckpointTiers(s.micro_batches, s.checkpoint_host, s.checkpoint_nvme, self.engine.disk,
                                 self.engine.counters, self.root_device)  # fmt: skip
         return VerticalSchedule(self.engine, s.micro_batches, tiers, s.eager_update)
 
-    def _auto_schedule(self, batch: torch.Tensor) -> VerticalSchedule:
+    def _auto_schedule(self, batch: torch.Tensor) -> VerticalSchedule | ParkedVertical:
         """Plan the vertical schedule for this batch from short measurements of this machine."""
         assert self.engine is not None and self.lightning_module is not None
         with torch.no_grad(), self.precision_plugin.forward_context():
@@ -295,11 +299,16 @@ class SmartInfinityStrategy(ParallelStrategy):
         assert self.engine is not None and self.lightning_module is not None
         precision = self.precision_plugin
         assert isinstance(precision, SmartInfinityPrecision)
-        with precision.train_step_context():
-            loss = self.vertical.run(self.lightning_module, args[0])  # type: ignore[arg-type]
+        module = self.lightning_module
+        if isinstance(self.vertical, ParkedVertical):
+            loss = self.vertical.run(lambda micro: module.training_step(micro, *args[1:], **kwargs), args[0],
+                                     precision.train_step_context)  # fmt: skip
+        else:
+            with precision.train_step_context():
+                loss = self.vertical.run(module, args[0])  # type: ignore[arg-type]
+            module.log("train_loss", loss, prog_bar=True)
         precision.backward_done = True  # Lightning's backward call that follows has nothing left to do
         self.engine.micro_batches += 1
-        self.lightning_module.log("train_loss", loss, prog_bar=True)
         return loss
 
     @override

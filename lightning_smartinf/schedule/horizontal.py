@@ -1,10 +1,12 @@
 """The horizontal schedule: every micro-batch runs through the whole model, block after block, for any module.
 
 Each streamed block's ``forward`` is wrapped in an autograd function that fetches the block's parameters, runs it
-without building a graph (keeping only its input), and releases them. Backward fetches them again, recomputes the
-block with the saved RNG and autocast state, backpropagates through it, hands the parameter gradients to the
-engine and releases the block. Parameters are read twice per micro-batch (forward and backward); activation memory
-is one block input per block, as with activation checkpointing.
+without building a graph (keeping only its inputs), and releases them. Any call signature works: positional and
+keyword arguments, ``None``s, tuples, cache objects and ``ModelOutput`` results (``schedule/calls.py``).
+Backward fetches them again, recomputes the block with the saved RNG and autocast state, backpropagates through
+it, hands the parameter gradients to the engine and releases the block. Parameters are read twice per
+micro-batch (forward and backward); activation memory is one block call's inputs per block, as with activation
+checkpointing.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+
+from lightning_smartinf.schedule.calls import Flat, RecomputeState, call, differentiable, flatten, route, training_call
 
 
 class BlockRunner(Protocol):
@@ -46,57 +50,60 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return blocks
 
 
-class _RecomputeState:
-    """RNG and autocast state at forward time, restored for the recompute in backward."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.cpu_rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-        self.autocast = torch.is_autocast_enabled(device.type)
-        self.autocast_dtype = torch.get_autocast_dtype(device.type)
-
-    def restore(self) -> torch.autocast:
-        torch.set_rng_state(self.cpu_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state(self.cuda_rng, self.device)
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast)
-
-
 class _StreamedBlock(torch.autograd.Function):
+    """One block call on its tensor leaves: forward runs it without a graph (keeping only its inputs), backward
+    fetches the block again, recomputes it from them and backpropagates. The output's structure is handed back
+    through ``out`` (a one-element list), since a Function returns tensors only."""
+
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, runner: BlockRunner, index: int, fn: Callable[..., Any], *inputs: torch.Tensor
-    ) -> Any:
-        ctx.runner, ctx.index, ctx.fn = runner, index, fn
-        ctx.recompute = _RecomputeState(runner.device)
-        ctx.save_for_backward(*inputs)
+        ctx: Any, runner: BlockRunner, index: int, fn: Callable[..., Any], inputs: Flat, out: list[Flat],
+        *tensors: torch.Tensor,
+    ) -> Any:  # fmt: skip
+        ctx.runner, ctx.index, ctx.fn, ctx.inputs = runner, index, fn, inputs
+        ctx.recompute = RecomputeState(runner.device)
+        ctx.save_for_backward(*tensors)
         runner.enter_block(index, backward=False)
         try:
-            return fn(*inputs)
+            result = flatten(call(fn, inputs, tensors), f"the output of block {index}")
         finally:
             runner.exit_block(index, backward=False)
+        out.append(result)
+        outputs = result.tensors
+        ctx.mark_non_differentiable(*[o for o in outputs if not differentiable(o)])
+        return tuple(outputs)
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> Any:
-        inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
+        tensors = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
         runner: BlockRunner = ctx.runner
         runner.enter_block(ctx.index, backward=True)
         try:
-            with torch.random.fork_rng(devices=[runner.device] if runner.device.type == "cuda" else []):
-                with ctx.recompute.restore(), torch.enable_grad():
-                    outputs = ctx.fn(*inputs)
-            outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+            with ctx.recompute.forked():
+                with ctx.recompute.replay(), torch.enable_grad():
+                    outputs = flatten(call(ctx.fn, ctx.inputs, tensors), "a block's output").tensors
             pairs = [(o, g) for o, g in zip(outputs, grad_outputs, strict=True) if o.requires_grad and g is not None]
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             runner.collect_block_grads(ctx.index)
         finally:
             runner.exit_block(ctx.index, backward=True)
-        return (None, None, None, *[x.grad if x.requires_grad else None for x in inputs])
+        return (None, None, None, None, None, *[x.grad if x.requires_grad else None for x in tensors])
+
+
+def stream_call(
+    runner: BlockRunner, index: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Call block ``index`` (engine numbering) with its parameters streamed in for the call and for its backward."""
+    inputs = training_call(args, kwargs)
+    out: list[Flat] = []
+    tensors = _StreamedBlock.apply(runner, index, fn, inputs, out, *inputs.tensors)
+    return out[0].rebuild(tensors)
 
 
 def wrap_blocks(runner: BlockRunner, modules: Sequence[nn.Module]) -> list[Callable[..., Any]]:
     """Route each block's forward through the streaming function; block ``i`` of ``modules`` is engine block i+1.
+    A thread with a route set (the vertical schedule's micro-batches) hands its calls to that route instead.
 
     Returns the original forwards, which schedules that stream blocks themselves (vertical) call directly."""
     originals = [module.forward for module in modules]
@@ -104,12 +111,10 @@ def wrap_blocks(runner: BlockRunner, modules: Sequence[nn.Module]) -> list[Calla
         original = module.forward
 
         def forward(*args: Any, _index: int = i + 1, _fn: Callable[..., Any] = original, **kwargs: Any) -> Any:
-            if kwargs or not all(isinstance(a, torch.Tensor) for a in args):
-                raise TypeError(
-                    "smart_infinity streams blocks whose forward takes tensors as positional arguments only; "
-                    f"block {_index} got {[type(a).__name__ for a in args]} and keywords {sorted(kwargs)}"
-                )
-            return _StreamedBlock.apply(runner, _index, _fn, *args)
+            parked = route()
+            if parked is not None:
+                return parked.call_block(_index, _fn, args, kwargs)
+            return stream_call(runner, _index, _fn, args, kwargs)
 
         module.forward = forward  # type: ignore[method-assign]
     return originals

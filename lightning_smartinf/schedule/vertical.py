@@ -18,11 +18,13 @@ and its blocks are the ones the engine streams (its ``nn.ModuleList``, or ``offl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
+from lightning_smartinf.schedule.calls import RecomputeState
+from lightning_smartinf.schedule.parked import snake, split_batch
 from lightning_smartinf.storage.aligned import aligned_bytes, typed_view
 from lightning_smartinf.storage.counters import READ, WRITE, TrafficCounters
 from lightning_smartinf.storage.store import TensorStore
@@ -57,18 +59,19 @@ class VerticalEngine(Protocol):
     def collect_resident_grads(self) -> None: ...
 
 
+def has_protocol(module: object) -> bool:
+    return all(callable(getattr(module, name, None)) for name in ("vertical_pre", "vertical_loss"))
+
+
 def check_protocol(module: object) -> None:
+    """``schedule=auto`` measures the model's blocks through the protocol before it plans."""
     missing = [name for name in ("vertical_pre", "vertical_loss") if not callable(getattr(module, name, None))]
     if missing:
         raise TypeError(
-            f"schedule=vertical needs the LightningModule to expose its structure: {type(module).__name__} lacks "
-            f"{', '.join(missing)} (see docs/vertical.md for the two methods), or use schedule=horizontal"
+            f"schedule=auto measures the blocks through the module's vertical_pre/vertical_loss: "
+            f"{type(module).__name__} lacks {', '.join(missing)} (docs/vertical.md); use schedule=vertical with "
+            "schedule.micro_batches=N, which runs any module, or schedule=horizontal"
         )
-
-
-def snake(micro_batches: int, block: int) -> range:
-    """Micro-batch order through block ``block``: forward on even blocks, backward on odd ones."""
-    return range(micro_batches) if block % 2 == 0 else range(micro_batches - 1, -1, -1)
 
 
 class CheckpointTiers:
@@ -123,26 +126,18 @@ class VerticalSchedule:
     def __init__(self, engine: VerticalEngine, micro_batches: int, tiers: CheckpointTiers, eager: bool = False) -> None:
         self.engine, self.micro_batches, self.tiers, self.eager = engine, micro_batches, tiers, eager
 
-    def split(self, batch: Any) -> Sequence[Any]:
-        if not isinstance(batch, torch.Tensor):
-            raise TypeError("schedule=vertical splits a tensor batch along dim 0; got " + type(batch).__name__)
-        if batch.shape[0] % self.micro_batches:
-            raise ValueError(
-                f"schedule=vertical: batch of {batch.shape[0]} does not split into schedule.micro_batches="
-                f"{self.micro_batches}; make the DataLoader batch size a multiple of it"
-            )
-        return batch.chunk(self.micro_batches)
-
     def run(self, module: VerticalModule, batch: Any) -> torch.Tensor:
         engine, blocks = self.engine, len(self.engine.block_forwards)
-        micros = self.split(batch)
+        micros = split_batch(batch, self.micro_batches)
         embedded = [module.vertical_pre(mb) for mb in micros]  # keeps the resident layers' graphs (boundary 0)
         for m, hidden in enumerate(embedded):
             self.tiers.put(0, m, hidden)
+        replay: dict[tuple[int, int], RecomputeState] = {}
         with torch.no_grad():
             for b in range(blocks):
                 engine.enter_block(b + 1, backward=False)
                 for m in snake(self.micro_batches, b):
+                    replay[(b, m)] = RecomputeState(engine.device)  # the recompute's dropout masks match
                     self.tiers.put(b + 1, m, engine.block_forwards[b](self.tiers.get(b, m, keep=True)))
                 engine.exit_block(b + 1, backward=False)
         # head and loss per micro-batch; their gradients flow back into the blocks' last boundary
@@ -159,7 +154,8 @@ class VerticalSchedule:
             engine.enter_block(b + 1, backward=True)
             for m in snake(self.micro_batches, b + 1):  # continue the snake from where forward turned
                 x = self.tiers.get(b, m).requires_grad_(True)
-                with torch.enable_grad():
+                state = replay.pop((b, m))
+                with state.forked(), state.replay(), torch.enable_grad():
                     out = engine.block_forwards[b](x)
                 out.backward(grads[m])
                 grads[m] = x.grad

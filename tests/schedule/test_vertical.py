@@ -154,3 +154,28 @@ def test_eager_updates_during_backward_equal_horizontal(tmp_path: Path, overlap:
 def test_eager_updates_refuse_clipping(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="cannot honour gradient_clip_val"):
         run(tmp_path, 2, {"kind": "vertical", "micro_batches": 2, "eager_update": True}, 0.5)
+
+
+@pytest.mark.parametrize("protocol", [True, False])
+def test_vertical_replays_dropout(tmp_path: Path, protocol: bool) -> None:
+    """Dropout 0.2: the recompute in backward replays each (block, micro-batch)'s RNG state from its forward, so
+    vertical with one micro-batch equals horizontal; ``protocol=False`` hides vertical_pre/vertical_loss, so the
+    module's own training_step runs parked at every block."""
+    from dataclasses import replace
+
+    from conftest import TINY
+
+    from lightning_smartinf.models.gpt import GPTModule
+
+    class Plain(GPTModule):
+        vertical_pre = None  # type: ignore[assignment]
+        vertical_loss = None  # type: ignore[assignment]
+
+    results = []
+    for kind in ("horizontal", "vertical"):
+        torch.manual_seed(0)
+        module = (GPTModule if protocol else Plain)(replace(TINY, dropout=0.2), lr=1e-3)
+        trainer = fit(module, strategy(tmp_path / kind, {"kind": kind, "micro_batches": 1}), max_steps=4,
+                      precision="32-true", loader=token_loader(samples=32, batch_size=MICRO_BATCH))  # fmt: skip
+        results.append(trainer.strategy.consolidated_state_dict())
+    assert rel(results[1], results[0]) < 1e-5

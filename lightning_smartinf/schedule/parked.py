@@ -1,0 +1,302 @@
+"""The vertical schedule for any module: the module's own ``training_step`` per micro-batch, parked at every block.
+
+Each micro-batch runs the user's ``training_step`` on a thread of its own. A streamed block's call does not run
+there: the thread parks it and waits. Once all M micro-batches have parked at the same block, the block is fetched
+once, run for every micro-batch (no graph kept: its inputs are saved for the recompute), released, and each thread
+resumes with its output, one thread at a time, to the next block or to its loss. The threads only ever run one at a
+time, in micro-batch order, so the resident layers between blocks see the same RNG and computation order each
+iteration. Masks, rotary tables and caches come from the model's own code, so every attention implementation
+behaves as in plain training.
+
+Backward is explicit, block by block from the last: a block's outputs reach the threads' graphs as fresh leaves, so
+the loss's backward stops at the last block's outputs; then each block is fetched once, recomputed for every
+micro-batch under the RNG and autocast state of its forward, and backpropagated from its outputs' gradients; the
+gradients of its inputs flow on into whatever produced them (an earlier block's outputs or the resident layers).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch.utils import _pytree as pytree
+
+from lightning_smartinf.schedule.calls import (
+    Flat,
+    RecomputeState,
+    call,
+    differentiable,
+    flatten,
+    set_route,
+    training_call,
+)
+
+STRUCTURE_HELP = (
+    "schedule=vertical runs the module's training_step once per micro-batch and each streamed block for all of them "
+    "together, so every micro-batch must call the same blocks in the same order; use schedule=horizontal, or give the "
+    "module vertical_pre/vertical_loss (docs/vertical.md)"
+)
+
+
+class ParkedEngine(Protocol):
+    """What the parked schedule needs from the engine."""
+
+    device: torch.device
+
+    def enter_block(self, index: int, backward: bool) -> None: ...
+
+    def exit_block(self, index: int, backward: bool) -> None: ...
+
+    def collect_block_grads(self, index: int) -> None: ...
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor: ...
+
+    def begin_eager_step(self) -> None: ...
+
+    def collect_resident_grads(self) -> None: ...
+
+
+def split_batch(batch: Any, micro_batches: int) -> list[Any]:
+    """``batch`` (a tensor, or any pytree of tensors: dicts from a tokenizer, tuples) cut along dim 0 into equal
+    micro-batches; other leaves are shared by all of them."""
+    leaves, spec = pytree.tree_flatten(batch)
+    sizes = {leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0}
+    if len(sizes) != 1:
+        raise TypeError(
+            "schedule=vertical splits the batch's tensors along dim 0 into schedule.micro_batches; this batch has "
+            f"{'no tensor' if not sizes else f'tensors of different lengths {sorted(sizes)}'}"
+        )
+    size = sizes.pop()
+    if size % micro_batches:
+        raise ValueError(
+            f"schedule=vertical: batch of {size} does not split into schedule.micro_batches={micro_batches}; make the "
+            "DataLoader batch size a multiple of it"
+        )
+    chunks = [leaf.chunk(micro_batches) if isinstance(leaf, torch.Tensor) and leaf.dim() else None for leaf in leaves]
+    return [
+        pytree.tree_unflatten([c[m] if c is not None else leaf for c, leaf in zip(chunks, leaves, strict=True)], spec)
+        for m in range(micro_batches)
+    ]
+
+
+def snake(micro_batches: int, block: int) -> range:
+    """Micro-batch order through the ``block``-th block of the pass: forward on even ones, backward on odd ones."""
+    return range(micro_batches) if block % 2 == 0 else range(micro_batches - 1, -1, -1)
+
+
+@dataclass
+class _Parked:
+    """A block call waiting on its thread."""
+
+    index: int
+    fn: Callable[..., Any]
+    inputs: Flat
+    grad: bool
+    autocast: tuple[bool, torch.dtype]
+
+
+@dataclass
+class _Record:
+    """What backward needs of one (block, micro-batch): the call, its RNG/autocast state, the outputs handed on."""
+
+    call: _Parked
+    state: RecomputeState
+    outputs: list[torch.Tensor]
+    handback: Any
+    """The output as the thread gets it: the block's result with its tensors replaced by ``outputs``."""
+
+
+@dataclass
+class _Round:
+    index: int
+    records: dict[int, _Record] = field(default_factory=dict)
+
+
+class _Abort(BaseException):
+    """Ends a parked thread whose iteration failed elsewhere."""
+
+
+class _Worker:
+    def __init__(self, micro: int) -> None:
+        self.micro = micro
+        self.inbox: queue.Queue[Any] = queue.Queue()
+        self.thread: threading.Thread | None = None
+
+
+class ParkedVertical:
+    """Runs one iteration of ``step`` (the module's training_step on a micro-batch) block by block; returns the mean
+    loss. ``eager``: each block's update starts when its backward is done (``engine.begin_eager_step``)."""
+
+    def __init__(self, engine: ParkedEngine, micro_batches: int, eager: bool = False) -> None:
+        self.engine, self.micro_batches, self.eager = engine, micro_batches, eager
+        self._reports: queue.Queue[tuple[str, int, Any]] = queue.Queue()
+        self._local = threading.local()
+
+    # -- the threads' side ------------------------------------------------------------------------------------------
+    def call_block(self, index: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Park this micro-batch's call of block ``index`` until the block runs for every micro-batch."""
+        worker: _Worker = self._local.worker
+        device = self.engine.device.type
+        autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        self._reports.put(("park", worker.micro, _Parked(index, fn, training_call(args, kwargs),
+                                                         torch.is_grad_enabled(), autocast)))  # fmt: skip
+        reply = worker.inbox.get()
+        if reply is _Abort:
+            raise _Abort()
+        return reply
+
+    def _body(
+        self, worker: _Worker, step: Callable[[], Any], context: Callable[[], AbstractContextManager[Any]]
+    ) -> None:
+        self._local.worker = worker
+        set_route(self)
+        if self.engine.device.type == "cuda":
+            torch.cuda.set_device(self.engine.device)
+        try:
+            worker.inbox.get()  # the go
+            with context():
+                result = step()
+            self._reports.put(("done", worker.micro, result))
+        except _Abort:
+            self._reports.put(("aborted", worker.micro, None))
+        except BaseException as err:  # noqa: BLE001 - re-raised on the trainer's thread
+            self._reports.put(("error", worker.micro, err))
+
+    # -- the trainer's side -----------------------------------------------------------------------------------------
+    def run(
+        self,
+        step: Callable[[Any], Any],
+        batch: Any,
+        context: Callable[[], AbstractContextManager[Any]],
+    ) -> torch.Tensor:
+        """``step(micro_batch)`` returns a loss (or a dict with ``"loss"``); ``context`` is entered on each thread
+        around it (the precision plugin's autocast, which is per thread)."""
+        micros = split_batch(batch, self.micro_batches)
+        workers = [_Worker(m) for m in range(self.micro_batches)]
+        for worker, micro in zip(workers, micros, strict=True):
+            worker.thread = threading.Thread(target=self._body, args=(worker, lambda mb=micro: step(mb), context),
+                                             name=f"smartinf-micro{worker.micro}", daemon=True)  # fmt: skip
+            worker.thread.start()
+        try:
+            rounds, losses = self._forward(workers)
+        except BaseException:
+            self._abort(workers)
+            raise
+        for worker in workers:
+            assert worker.thread is not None
+            worker.thread.join()
+        return self._backward(rounds, losses)
+
+    def _resume(self, worker: _Worker, message: Any) -> tuple[str, Any]:
+        """Hand ``message`` to one thread and wait until it parks again, finishes or fails."""
+        worker.inbox.put(message)
+        kind, micro, payload = self._reports.get()
+        assert micro == worker.micro
+        if kind == "error":
+            raise payload
+        return kind, payload
+
+    def _abort(self, workers: Sequence[_Worker]) -> None:
+        for worker in workers:
+            if worker.thread is not None and worker.thread.is_alive():
+                worker.inbox.put(_Abort)
+        for worker in workers:
+            if worker.thread is not None:
+                worker.thread.join()
+        while not self._reports.empty():
+            self._reports.get()
+
+    def _forward(self, workers: Sequence[_Worker]) -> tuple[list[_Round], list[torch.Tensor]]:
+        states = [self._resume(worker, None) for worker in workers]
+        rounds: list[_Round] = []
+        while states[0][0] == "park":
+            parked: list[_Parked] = []
+            for m, (kind, payload) in enumerate(states):
+                if kind != "park" or payload.index != states[0][1].index:
+                    where = f"called block {payload.index}" if kind == "park" else "finished its training_step"
+                    raise RuntimeError(f"micro-batch {m} {where} while micro-batch 0 called block "
+                                       f"{states[0][1].index}: {STRUCTURE_HELP}")  # fmt: skip
+                parked.append(payload)
+            if self.eager and any(r.index == parked[0].index for r in rounds):
+                raise RuntimeError(f"block {parked[0].index} runs twice per forward, so its gradient is final only "
+                                   "after the last call: turn schedule.eager_update off")  # fmt: skip
+            rounds.append(self._run_round(len(rounds), parked))
+            states = [self._resume(worker, rounds[-1].records[w].handback) for w, worker in enumerate(workers)]
+        if any(kind != "done" for kind, _ in states):
+            raise RuntimeError(f"some micro-batches called a block after others finished: {STRUCTURE_HELP}")
+        return rounds, [self._loss_of(payload) for _, payload in states]
+
+    def _run_round(self, position: int, parked: list[_Parked]) -> _Round:
+        """Run one block (fetched once) for every parked micro-batch, in snake order."""
+        engine, index = self.engine, parked[0].index
+        this = _Round(index)
+        engine.enter_block(index, backward=False)
+        try:
+            for m in snake(self.micro_batches, position):
+                p = parked[m]
+                enabled, dtype = p.autocast
+                with torch.no_grad(), torch.autocast(engine.device.type, dtype=dtype, enabled=enabled):
+                    state = RecomputeState(engine.device)
+                    result = flatten(call(p.fn, p.inputs, p.inputs.tensors), f"the output of block {index}")
+                leaves = [t.detach().requires_grad_() if p.grad and differentiable(t) else t for t in result.tensors]
+                this.records[m] = _Record(p, state, leaves, result.rebuild(leaves))
+        finally:
+            engine.exit_block(index, backward=False)
+        return this
+
+    @staticmethod
+    def _loss_of(result: Any) -> torch.Tensor:
+        loss = result.get("loss") if isinstance(result, dict) else result
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise TypeError(
+                "schedule=vertical needs training_step to return the loss as a scalar tensor (or a dict with "
+                f"'loss'); it returned {type(result).__name__}"
+            )
+        return loss
+
+    def _backward(self, rounds: list[_Round], losses: list[torch.Tensor]) -> torch.Tensor:
+        engine, n = self.engine, self.micro_batches
+        total = torch.zeros((), device=engine.device)
+        for loss in losses:  # down to the last block's outputs (leaves) and into the resident layers after it
+            engine.scale_loss(loss / n).backward()
+            total = total + loss.detach() / n
+        if self.eager:
+            engine.begin_eager_step()
+        for position in reversed(range(len(rounds))):
+            this = rounds[position]
+            engine.enter_block(this.index, backward=True)
+            targets: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            try:
+                for m in snake(n, position + 1):  # continue the snake from where forward turned
+                    self._recompute(this.records.pop(m), targets, grads)
+                engine.collect_block_grads(this.index)
+            finally:
+                engine.exit_block(this.index, backward=True)
+            if targets:  # on into earlier blocks' outputs and the resident layers between
+                torch.autograd.backward(targets, grads, retain_graph=True)
+        engine.collect_resident_grads()
+        return total
+
+    @staticmethod
+    def _recompute(record: _Record, targets: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        pairs = [(o, o.grad) for o in record.outputs if o.requires_grad and o.grad is not None]
+        if not pairs:
+            return
+        inputs = record.call.inputs
+        tensors = [x.detach().requires_grad_(x.requires_grad) for x in inputs.tensors]
+        with record.state.forked():
+            with record.state.replay(), torch.enable_grad():
+                outputs = flatten(call(record.call.fn, inputs, tensors), "a block's output").tensors
+        by_id = {id(o): i for i, o in enumerate(record.outputs)}
+        recomputed = [outputs[by_id[id(o)]] for o, _ in pairs]
+        torch.autograd.backward(recomputed, [g for _, g in pairs])
+        for original, detached in zip(inputs.tensors, tensors, strict=True):
+            if original.requires_grad and detached.grad is not None:
+                targets.append(original)
+                grads.append(detached.grad)
