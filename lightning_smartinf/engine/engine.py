@@ -124,6 +124,12 @@ class OffloadEngine:
         self._eager_norm = 0.0
 
         block_list = find_blocks(model)
+        if not block_list:
+            raise ValueError(
+                f"smart_infinity found no repeated blocks to stream in {type(model).__name__} (no nn.ModuleList with "
+                "parameters): define offload_blocks() on the LightningModule, returning the (name, module) pairs of "
+                "its layers, e.g. [(f'model.layers.{i}', layer) for i, layer in enumerate(self.model.layers)]"
+            )
         self.block_modules = [m for _, m in block_list]
         groups = [g["params"] for g in optimizer.param_groups] if optimizer else [list(model.parameters())]
         self.layout = build_layout(model, block_list, groups, offload.subgroup_size, rank, world)

@@ -53,3 +53,22 @@ def test_library_model_equals_plain_lightning(tmp_path: Path, family: str, sched
     reads = engine.counters.total(link="host", kind="param", direction="read")
     streamed = sum(sg.numel for b in engine.layout.streamed for sg in b.subgroups) * 4
     assert reads == 2 * streamed * 6 * (1 if vertical else 2)
+
+
+def test_a_model_without_blocks_is_refused_naming_offload_blocks(tmp_path: Path) -> None:
+    class Flat(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.body(batch.float()).mean()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters())
+
+    strategy = SmartInfinityStrategy(offload={"nvme_path": str(tmp_path / "state"), "io_backend": "threads"})
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False)  # fmt: skip
+    with pytest.raises(ValueError, match="no repeated blocks to stream in Flat.*offload_blocks"):
+        trainer.fit(Flat(), torch.utils.data.DataLoader(torch.randn(4, 4), batch_size=2))
