@@ -15,8 +15,9 @@ from lightning_smartinf.strategy import SmartInfinityStrategy
 LIBRARY = {"llama": "transformers", "gpt2": "transformers", "mixtral": "transformers", "litgpt": "litgpt"}
 
 
-def fit(family: str, strategy: Any, batch_size: int, accumulate: int, clip: float | None) -> tuple[CausalLM, Any]:
-    module = CausalLM(family)
+def fit(family: str, strategy: Any, batch_size: int, accumulate: int, clip: float | None,
+        lr: float) -> tuple[CausalLM, Any]:  # fmt: skip
+    module = CausalLM(family, lr=lr)
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, precision="32-true", limit_val_batches=0,
@@ -32,20 +33,25 @@ def relative(ours: dict[str, torch.Tensor], reference: torch.nn.Module) -> float
     return float(diff.norm() / torch.cat([p.detach().reshape(-1) for p in ref.values()]).norm())
 
 
-@pytest.mark.parametrize("schedule", ["horizontal", "vertical"])
+@pytest.mark.parametrize("schedule", ["horizontal", "vertical", "smart"])
 @pytest.mark.parametrize("family", sorted(MODELS))
 def test_library_model_equals_plain_lightning(tmp_path: Path, family: str, schedule: str) -> None:
-    """AdamW, 6 steps of 2 micro-batches (accumulated, or the vertical schedule's M=2 on the same micro-batches),
-    clipping 0.5 except GPT-2 (its key bias's true gradient is zero, so clipped runs compare rounding noise)."""
+    """AdamW, 6 steps of 2 micro-batches (accumulated, or the vertical schedule's M=2 on the same micro-batches;
+    ``smart``: horizontal with SmartUpdate's OpenCL kernels on 2 PoCL devices), clipping 0.5 except GPT-2 (its key
+    bias's true gradient is zero, so clipped runs compare rounding noise)."""
     pytest.importorskip(LIBRARY[family])
     clip = None if family == "gpt2" else 0.5
-    reference, _ = fit(family, "auto", 2, 2, clip)
+    # the OpenCL kernel rounds unlike torch's Adam, by an ulp a step, and lr=1e-2 amplifies that through GPT-2's
+    # noise-only key bias (1.2e-5); at 1e-3 it stays within the bound, as for DeepSpeed's CPU Adam (test_strategy.py)
+    lr = 1e-3 if family == "gpt2" and schedule == "smart" else 1e-2
+    reference, _ = fit(family, "auto", 2, 2, clip, lr)
     vertical = schedule == "vertical"
     strategy = SmartInfinityStrategy(
         offload={"nvme_path": str(tmp_path / "state"), "subgroup_size": 4096, "io_backend": "threads"},
-        update={"host_adam": "torch"}, schedule={"kind": "vertical", "micro_batches": 2} if vertical else None,
+        update={"backend": "smart", "devices": 2} if schedule == "smart" else {"host_adam": "torch"},
+        schedule={"kind": "vertical", "micro_batches": 2} if vertical else None,
     )  # fmt: skip
-    _, trainer = fit(family, strategy, 4 if vertical else 2, 1 if vertical else 2, clip)
+    _, trainer = fit(family, strategy, 4 if vertical else 2, 1 if vertical else 2, clip, lr)
     engine = trainer.strategy.engine
     assert len(engine.layout.streamed) == 2 and engine.step_count == 6
     assert relative(trainer.strategy.consolidated_state_dict(), reference) < 1e-5
