@@ -97,8 +97,11 @@ def test_checkpoint_tiers_are_counted(tmp_path: Path) -> None:
     assert counters.total(link="host", kind="checkpoint", direction="read") >= per_tier
 
 
-def test_module_without_the_protocol_is_a_clear_error(tmp_path: Path) -> None:
+def test_module_without_the_protocol_trains_parked(tmp_path: Path) -> None:
+    """No vertical_pre/vertical_loss: the module's own training_step runs per micro-batch, parked at its block."""
     import lightning.pytorch as pl
+
+    from lightning_smartinf.schedule.parked import ParkedVertical
 
     class Plain(pl.LightningModule):
         def __init__(self) -> None:
@@ -111,9 +114,9 @@ def test_module_without_the_protocol_is_a_clear_error(tmp_path: Path) -> None:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    with pytest.raises(TypeError, match="lacks vertical_pre, vertical_loss"):
-        fit(Plain(), strategy(tmp_path, {"kind": "vertical"}), max_steps=1,
-            loader=torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=4))  # fmt: skip
+    trainer = fit(Plain(), strategy(tmp_path, {"kind": "vertical", "micro_batches": 2}), max_steps=2,
+                  loader=torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=4))  # fmt: skip
+    assert isinstance(trainer.strategy.vertical, ParkedVertical) and trainer.strategy.engine.step_count == 2
 
 
 def test_batch_must_split_into_micro_batches(tmp_path: Path) -> None:
