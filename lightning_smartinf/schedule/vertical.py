@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from lightning_smartinf.schedule.calls import RecomputeState
-from lightning_smartinf.schedule.parked import snake, split_batch
+from lightning_smartinf.schedule.parked import ParkedEngine, snake, split_batch
 from lightning_smartinf.storage.aligned import aligned_bytes, typed_view
 from lightning_smartinf.storage.counters import READ, WRITE, TrafficCounters
 from lightning_smartinf.storage.store import TensorStore
@@ -39,24 +39,12 @@ class VerticalModule(Protocol):
     def vertical_loss(self, hidden: torch.Tensor, batch: Any) -> torch.Tensor: ...
 
 
-class VerticalEngine(Protocol):
-    """What the vertical schedule needs from the engine."""
+class VerticalEngine(ParkedEngine, Protocol):
+    """What the vertical schedule needs from the engine: the parked schedule's hooks, plus the blocks' own forwards
+    and the counters its checkpoint tiers add to."""
 
-    device: torch.device
     counters: TrafficCounters
     block_forwards: list[Callable[..., Any]]
-
-    def enter_block(self, index: int, backward: bool) -> None: ...
-
-    def exit_block(self, index: int, backward: bool) -> None: ...
-
-    def collect_block_grads(self, index: int) -> None: ...
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor: ...
-
-    def begin_eager_step(self) -> None: ...
-
-    def collect_resident_grads(self) -> None: ...
 
 
 def has_protocol(module: object) -> bool:
