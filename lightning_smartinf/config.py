@@ -54,11 +54,16 @@ class OffloadConfig:
     """DeepSpeed aio queue depth."""
     check_free_space: bool = True
     """Refuse to start when nvme_path has less free space than the planned state."""
+    return_weights: str = "auto"
+    """What the module's parameters hold between stages (after fit, validate, test, predict): ``module``, the trained
+    values in their original dtypes (host memory: the model's size); ``meta``, meta tensors that fail on any use,
+    the values staying in the state (export them); ``auto``, ``module`` when they fit in half the free host memory."""
 
     def __post_init__(self) -> None:
         _check_choice("offload.params", self.params, _PLACES)
         _check_choice("offload.grads", self.grads, _PLACES)
         _check_choice("offload.io_backend", self.io_backend, ("auto", "aio", "threads"))
+        _check_choice("offload.return_weights", self.return_weights, ("auto", "module", "meta"))
         _check_positive("offload.subgroup_size", self.subgroup_size, 2048)
         _check_positive("offload.prefetch", self.prefetch, 0)
         _check_positive("offload.step_lookahead", self.step_lookahead, 0)

@@ -13,6 +13,8 @@ import io
 import logging
 import shutil
 import time
+from collections.abc import Generator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -39,6 +41,7 @@ from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from lightning_smartinf.checkpoint.export import export_live
 from lightning_smartinf.checkpoint.files import fsync_directory
 from lightning_smartinf.checkpoint.manifest import (
     ENGINE_STATE,
@@ -48,6 +51,7 @@ from lightning_smartinf.checkpoint.manifest import (
     Manifest,
     verify_checkpoint,
 )
+from lightning_smartinf.checkpoint.shards import parse_size
 from lightning_smartinf.config import (
     CompressionConfig,
     OffloadConfig,
@@ -59,6 +63,7 @@ from lightning_smartinf.config import (
 from lightning_smartinf.engine.engine import OffloadEngine
 from lightning_smartinf.engine.planning import block_flops, memory_budget, update_rate, workload_of
 from lightning_smartinf.engine.snapshot import engine_nbytes, load_engine_state, save_engine_state
+from lightning_smartinf.meta import meta_parameters
 from lightning_smartinf.monitor import SmartInfinityMonitor
 from lightning_smartinf.precision import SmartInfinityPrecision
 from lightning_smartinf.schedule.parked import ParkedVertical
@@ -103,6 +108,7 @@ class SmartInfinityStrategy(ParallelStrategy):
         cluster_environment: ClusterEnvironment | None = None,
         process_group_backend: str | None = None,
         timeout: float | timedelta = 1800.0,
+        init_from: str | Path | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
@@ -113,6 +119,9 @@ class SmartInfinityStrategy(ParallelStrategy):
         self.compression = coerce(CompressionConfig, compression, "compression")
         self.schedule = coerce(ScheduleConfig, schedule, "schedule")
         check_combination(self.offload, self.update, self.compression)
+        self.init_from = init_from
+        """Pretrained weights to start from: a .safetensors file or a save_pretrained directory (sharded or not),
+        read tensor by tensor into storage at set-up (``engine/pretrained.py``)."""
         self.engine: OffloadEngine | None = None
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
@@ -176,6 +185,25 @@ class SmartInfinityStrategy(ParallelStrategy):
             _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
             atexit.register(_destroy_process_group)
 
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``trainer.init_module(empty_init=True)``: parameters on the meta device, given values block by block
+        at set-up (``engine/materialize.py``); otherwise as Lightning builds them."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with meta_parameters(), self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Around ``configure_model()``: the model is built with meta parameters, as under FSDP."""
+        with meta_parameters():
+            yield
+
     @override
     def model_to_device(self) -> None:
         """Nothing: the engine places the resident parameters and streams the rest."""
@@ -207,7 +235,8 @@ class SmartInfinityStrategy(ParallelStrategy):
         """Every rank starts from rank 0's parameters and buffers (as DDP does), whatever each seeded."""
         assert self.model is not None
         for tensor in [*self.model.parameters(), *self.model.buffers()]:
-            dist.broadcast(tensor.data, 0)
+            if not tensor.is_meta:  # meta ones get values block by block in the engine, rank 0's on every rank
+                dist.broadcast(tensor.data, 0)
 
     # -- set-up ----------------------------------------------------------------------------------------------------
     @override
@@ -223,6 +252,11 @@ class SmartInfinityStrategy(ParallelStrategy):
                 raise ValueError(
                     f"smart_infinity drives exactly one optimizer; configure_optimizers returned {len(self.optimizers)}"
                 )
+        if self.engine is not None and self.optimizers and self.engine.optimizer is None:
+            self.engine.weights.keep_in_module()  # an engine built for evaluation: fit needs one with the optimizer
+            self.close()
+        if self.engine is not None:
+            self.engine.weights.take()
         if self.engine is None:
             optimizer = self.optimizers[0] if self.optimizers else None
             if self.is_distributed:
@@ -231,6 +265,7 @@ class SmartInfinityStrategy(ParallelStrategy):
                 self.model, optimizer, self.offload, self.update, self.root_device, precision.param_dtype,
                 loss_scaling=precision.precision == "16-mixed", compression=self.compression,
                 overlap=self.schedule.overlap, rank=self.global_rank, world=self.world_size,
+                init_from=self.init_from,
             )  # fmt: skip
             log.info(
                 "smart_infinity: %d params in %d blocks, %d subgroups; storage %s; update %s; host buffers %.1f MiB",
@@ -313,10 +348,11 @@ class SmartInfinityStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        """End of a stage: drop streamed parameters but keep the engine, so validate/test/predict after fit reuse
-        the trained state. ``close()`` ends it."""
+        """End of a stage: the trained weights go back into the module (``offload.return_weights``, see
+        ``engine/handback.py``); the engine stays, so validate/test/predict after fit reuse its state.
+        ``close()`` ends it."""
         if self.engine is not None:
-            self.engine.params.release_all()
+            self.engine.weights.give(self.offload.return_weights)
         assert self.accelerator is not None
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
@@ -324,10 +360,12 @@ class SmartInfinityStrategy(ParallelStrategy):
     # -- checkpoints ---------------------------------------------------------------------------------------------
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Only the module's buffers: its weights are the engine's fp32 masters, saved as files in the checkpoint."""
+        """The module's buffers and frozen parameters: the engine's weights are its fp32 masters, saved as files in
+        the checkpoint."""
         module = self.lightning_module
-        assert module is not None
-        weights = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+        assert module is not None and self.engine is not None
+        owned = {id(slot.param) for block in self.engine.layout.blocks for slot in block.slots}
+        weights = {name for name, p in module.named_parameters(remove_duplicate=False) if id(p) in owned}
         return {k: v for k, v in module.state_dict().items() if k not in weights}
 
     @override
@@ -461,6 +499,16 @@ class SmartInfinityStrategy(ParallelStrategy):
     def traffic(self) -> dict[str, dict[str, int]]:
         """Bytes moved so far, ``{"link/direction": {kind: bytes}}`` (see ``TrafficCounters``)."""
         return self.engine.counters.table() if self.engine else {}
+
+    def export(self, out: str | Path, dtype: str = "fp32", strip_prefix: str = "",
+               max_shard_size: str | int = "2GB") -> list[Path]:  # fmt: skip
+        """Write the trained weights as safetensors, one block at a time from the engine's masters (bounded
+        memory, whatever the model's size): a ``.safetensors`` file, or a directory in ``save_pretrained``'s
+        layout (shards and an index). ``strip_prefix="model."`` names them as the HF model inside the module
+        (save its ``config.json`` beside them and ``from_pretrained`` loads the directory). Returns the files."""
+        assert self.engine is not None, "the engine exists from setup until close()"
+        return export_live(self.engine, Path(out), dtype, parse_size(max_shard_size), strip_prefix,
+                           write=self.is_global_zero)  # fmt: skip
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter's fp32 master by name (reads all master state from storage)."""

@@ -1,4 +1,4 @@
-"""A checkpoint's fp32 masters consolidated into one plain state dict, without the model's code or the strategy.
+"""A checkpoint's fp32 masters as plain safetensors (or a state dict), without the model's code or the strategy.
 
 The manifest's layout says where each parameter sits in its block's flat buffer and which subgroup file holds
 which range; the masters are read straight from those files. Buffers come from Lightning's part of the
@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 from lightning_smartinf.checkpoint.manifest import ENGINE_STATE, TRAINER_STATE, CheckpointError, verify_checkpoint
+from lightning_smartinf.checkpoint.shards import Planned, write_file, write_sharded
+from lightning_smartinf.engine.snapshot import parameter_aliases
+
+if TYPE_CHECKING:
+    from lightning_smartinf.engine.engine import OffloadEngine
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -33,29 +39,47 @@ def _parts(manifest: Any) -> list[tuple[dict[str, Any], Path]]:
     return [(manifest.meta["engine"]["signature"]["layout"], root)]
 
 
+def _block_tensors(manifest: Any, index: int, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Block ``index``'s parameters from the master files of every rank that saved it (one block in memory)."""
+    parts = [(layout, _master_files(root)) for layout, root in _parts(manifest)]
+    block = parts[0][0]["blocks"][index]
+    flat = torch.zeros(block["numel"], dtype=torch.float32)
+    for part_layout, masters in parts:
+        for key, owner, _, offset, numel in part_layout["subgroups"]:
+            if owner != index:
+                continue
+            if key not in masters:
+                raise CheckpointError(f"{manifest.path} holds no master file for subgroup {key}")
+            values = np.fromfile(masters[key], dtype=np.float32, count=numel)
+            flat[offset : offset + numel] = torch.from_numpy(values)
+    for name, offset, numel, shape in block["params"]:
+        yield name, flat[offset : offset + numel].view(shape).to(dtype)
+
+
+def _checkpoint_tensors(manifest: Any, layout: dict[str, Any], extra: dict[str, torch.Tensor],
+                        dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    """Every parameter block by block, then their second names (tied weights), then Lightning's part (buffers,
+    frozen parameters), in that order."""
+    kept: dict[str, torch.Tensor] = {}
+    wanted = set(layout.get("aliases", {}).values())
+    for index in range(len(layout["blocks"])):
+        for name, tensor in _block_tensors(manifest, index, dtype):
+            if name in wanted:
+                kept[name] = tensor
+            yield name, tensor
+    for alias, name in layout.get("aliases", {}).items():
+        yield alias, kept[name]
+    yield from extra.items()
+
+
 def consolidated_state_dict(path: Path, dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], dict]:
     """Every parameter (and buffer) of the checkpointed module by name, plus Lightning's trainer state; the slices
-    of a data-parallel run's ranks are put back together."""
+    of a data-parallel run's ranks are put back together (in memory: for tests and small models)."""
     manifest = verify_checkpoint(path)
-    parts = [(layout, _master_files(root)) for layout, root in _parts(manifest)]
-    layout = parts[0][0]
-    state: dict[str, torch.Tensor] = {}
-    for index, block in enumerate(layout["blocks"]):
-        flat = torch.zeros(block["numel"], dtype=torch.float32)
-        for part_layout, masters in parts:
-            for key, owner, _, offset, numel in part_layout["subgroups"]:
-                if owner != index:
-                    continue
-                if key not in masters:
-                    raise CheckpointError(f"{manifest.path} holds no master file for subgroup {key}")
-                values = np.fromfile(masters[key], dtype=np.float32, count=numel)
-                flat[offset : offset + numel] = torch.from_numpy(values)
-        for name, offset, numel, shape in block["params"]:
-            state[name] = flat[offset : offset + numel].view(shape).to(dtype).clone()
-    for alias, name in layout.get("aliases", {}).items():
-        state[alias] = state[name].clone()
+    layout = _parts(manifest)[0][0]
     trainer_state = torch.load(manifest.path / TRAINER_STATE, weights_only=False, map_location="cpu")
-    state.update({k: v.detach().clone() for k, v in trainer_state.get("state_dict", {}).items()})
+    extra = {k: v.detach().clone() for k, v in trainer_state.get("state_dict", {}).items()}
+    state = {name: t.clone() for name, t in _checkpoint_tensors(manifest, layout, extra, dtype)}
     return state, trainer_state
 
 
@@ -67,14 +91,25 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def export_safetensors(checkpoint: Path, out: Path, dtype: str = "bf16") -> tuple[Path, int]:
-    """Write ``out`` (a .safetensors file, or a directory to hold model.safetensors); return it and its tensors'
-    element count. The file's metadata carries the module's hyper-parameters when it saved them."""
+def export_safetensors(checkpoint: Path, out: Path, dtype: str = "bf16", max_shard_bytes: int = 2_000_000_000,
+                       strip_prefix: str = "") -> tuple[list[Path], int]:  # fmt: skip
+    """Write ``out`` (a .safetensors file, or a directory to hold model.safetensors or shards with an index, as
+    ``save_pretrained`` lays them out) one tensor at a time; return the files and the tensors' element count.
+    ``strip_prefix`` turns the LightningModule's names into the library model's (``model.`` for an HF model held
+    as ``self.model``). The metadata carries the module's hyper-parameters when it saved them."""
     if dtype not in DTYPES:
         raise ValueError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
-    state, trainer_state = consolidated_state_dict(checkpoint, DTYPES[dtype])
-    target = out / "model.safetensors" if out.suffix != ".safetensors" else out
-    target.parent.mkdir(parents=True, exist_ok=True)
+    manifest = verify_checkpoint(checkpoint)
+    layout = _parts(manifest)[0][0]
+    trainer_state = torch.load(manifest.path / TRAINER_STATE, weights_only=False, map_location="cpu")
+    extra = dict(trainer_state.get("state_dict", {}))
+    target_dtype = DTYPES[dtype]
+    plan = [Planned(name, target_dtype, tuple(shape)) for block in layout["blocks"]
+            for name, _, _, shape in block["params"]]  # fmt: skip
+    shapes = {p.name: p.shape for p in plan}
+    plan += [Planned(alias, target_dtype, shapes[name]) for alias, name in layout.get("aliases", {}).items()]
+    plan += [Planned(k, v.dtype if not v.is_floating_point() else target_dtype, tuple(v.shape))
+             for k, v in extra.items()]  # fmt: skip
     hyper = {k: _jsonable(v) for k, v in dict(trainer_state.get("hyper_parameters") or {}).items()}
     metadata = {
         "format": "pt",
@@ -83,7 +118,54 @@ def export_safetensors(checkpoint: Path, out: Path, dtype: str = "bf16") -> tupl
         "dtype": dtype,
         "hyper_parameters": json.dumps(hyper, default=str),
     }
-    partial = target.with_name(f".{target.name}.partial")
-    save_file({k: v.contiguous() for k, v in state.items()}, str(partial), metadata=metadata)
-    partial.replace(target)
-    return target, sum(v.numel() for v in state.values())
+    renamed = [Planned(p.name.removeprefix(strip_prefix), p.dtype, p.shape) for p in plan]
+    tensors = ((name.removeprefix(strip_prefix), t) for name, t in
+               _checkpoint_tensors(manifest, layout, extra, target_dtype))  # fmt: skip
+    if out.suffix == ".safetensors":
+        out.parent.mkdir(parents=True, exist_ok=True)
+        files = [write_file(out, renamed, tensors, metadata)]
+    else:
+        files = write_sharded(out, renamed, tensors, max_shard_bytes, metadata)
+    numel = sum(math.prod(p.shape) for p in plan)
+    return files, numel
+
+
+def export_live(engine: OffloadEngine, out: Path, dtype: str = "fp32", max_shard_bytes: int = 2_000_000_000,
+                strip_prefix: str = "", write: bool = True) -> list[Path]:  # fmt: skip
+    """The trained weights of a live engine, as ``export_safetensors`` writes them, read block by block from its
+    masters (a collective under data parallelism: every rank calls it, ``write`` on one)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+    target = DTYPES[dtype]
+    aliases = parameter_aliases(engine)
+    owned = {slot.name for block in engine.layout.blocks for slot in block.slots} | set(aliases)
+    extra = {k: v for k, v in engine.model.state_dict().items() if k not in owned}
+    plan = [Planned(s.name, target, tuple(s.shape)) for b in engine.layout.blocks for s in b.slots]
+    shapes = {p.name: p.shape for p in plan}
+    plan += [Planned(alias, target, shapes[name]) for alias, name in aliases.items()]
+    plan += [Planned(k, target if v.is_floating_point() else v.dtype, tuple(v.shape)) for k, v in extra.items()]
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        kept: dict[str, torch.Tensor] = {}
+        for block in engine.layout.blocks:
+            flat = engine.block_masters(block)
+            for slot in block.slots:
+                value = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).to(target)
+                if slot.name in aliases.values():
+                    kept[slot.name] = value
+                yield slot.name, value
+        for alias, name in aliases.items():
+            yield alias, kept[name]
+        yield from extra.items()
+
+    stream = ((name.removeprefix(strip_prefix), t) for name, t in tensors())
+    if not write:
+        for _ in stream:
+            pass
+        return []
+    renamed = [Planned(p.name.removeprefix(strip_prefix), p.dtype, p.shape) for p in plan]
+    metadata = {"format": "pt", "global_step": str(engine.step_count), "dtype": dtype}
+    if out.suffix == ".safetensors":
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return [write_file(out, renamed, stream, metadata)]
+    return write_sharded(out, renamed, stream, max_shard_bytes, metadata)

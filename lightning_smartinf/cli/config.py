@@ -7,7 +7,7 @@ Registered in Hydra's ConfigStore so a bad key or a wrong type fails at compose 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -62,6 +62,8 @@ class TrainerConfig:
     seed: int = 1234
     output_dir: str = "smartinf_runs"
     """Logs, the checkpoint and the plot go to a timestamped directory under this one."""
+    save_final: bool = True
+    """Save a checkpoint as training ends (it needs as much disk as the offloaded state; checked before training)."""
     checkpoint_every_n_steps: int = 0
     """Also checkpoint every this many steps (keeping the newest); 0: only at the end."""
     resume: str | None = None
@@ -69,8 +71,21 @@ class TrainerConfig:
 
 
 @dataclass
+class ModelConfig(GPTConfig):
+    """The GPT's shape, plus where its starting weights come from (the model is always built on meta and
+    initialized block by block into storage, so host memory does not grow with its size)."""
+
+    init_from: str | None = None
+    """Pretrained weights: a .safetensors file or a save_pretrained-style directory (e.g. a smartinf-export of an
+    earlier run); null: GPT's own init."""
+
+    def shape(self) -> GPTConfig:
+        return GPTConfig(**{f.name: getattr(self, f.name) for f in fields(GPTConfig)})
+
+
+@dataclass
 class TrainConfig:
-    model: GPTConfig = field(default_factory=GPTConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     update: UpdateConfig = field(default_factory=UpdateConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)

@@ -1,6 +1,8 @@
-"""``smartinf-export CKPT OUT``: a smart_infinity checkpoint as one safetensors file for plain PyTorch.
+"""``smartinf-export CKPT OUT``: a smart_infinity checkpoint as safetensors for plain PyTorch, written one tensor
+at a time (memory holds one block, whatever the model's size).
 
     smartinf-export smartinf_runs/.../checkpoints/step200.ckpt model.safetensors --dtype bf16
+    smartinf-export CKPT hf_out/ --strip-prefix model. --max-shard-size 5GB     # save_pretrained's layout
 
 Every file of the checkpoint is verified against its manifest first. Load the result without the strategy:
 
@@ -16,6 +18,7 @@ from pathlib import Path
 
 from lightning_smartinf.checkpoint.export import DTYPES, export_safetensors
 from lightning_smartinf.checkpoint.manifest import CheckpointError
+from lightning_smartinf.checkpoint.shards import parse_size
 from lightning_smartinf.storage.space import human_bytes
 
 
@@ -24,13 +27,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("checkpoint", type=Path, help="a checkpoint directory written by smart_infinity")
     parser.add_argument("out", type=Path, help="output .safetensors file, or a directory for model.safetensors")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="tensor dtype (default bf16)")
+    parser.add_argument("--max-shard-size", default="2GB", help="largest file of a directory export (default 2GB)")
+    parser.add_argument("--strip-prefix", default="", help="drop this from every name (model. for an HF model)")
     args = parser.parse_args(argv)
     try:
-        target, numel = export_safetensors(args.checkpoint, args.out, args.dtype)
+        files, numel = export_safetensors(args.checkpoint, args.out, args.dtype, parse_size(args.max_shard_size),
+                                          args.strip_prefix)  # fmt: skip
     except (CheckpointError, FileNotFoundError, ValueError) as err:
         sys.exit(f"smartinf-export: {err}")
-    print(f"wrote {target}: {numel:,} values in {args.dtype}, {human_bytes(target.stat().st_size)}")
-    print(f'load it with GPTModule.from_safetensors("{target}") or load_state_dict(safetensors.torch.load_file(...))')
+    size = sum(f.stat().st_size for f in files)
+    where = files[0] if len(files) == 1 else f"{args.out} ({len(files)} shards and model.safetensors.index.json)"
+    print(f"wrote {where}: {numel:,} values in {args.dtype}, {human_bytes(size)}")
+    print(f'load it with GPTModule.from_safetensors("{files[0]}"), load_state_dict(safetensors.torch.load_file(...)), '
+          "or a library's from_pretrained (with --strip-prefix and its config.json beside it)")
 
 
 if __name__ == "__main__":

@@ -43,7 +43,10 @@ MODES: dict[str, dict[str, Any]] = {
     "vertical": {"kind": "vertical"},
     "vertical + overlap": {"kind": "vertical", "overlap": 1.0},
     "vertical + overlap + eager": {"kind": "vertical", "overlap": 1.0, "eager_update": True},
+    "vertical, parked": {"kind": "vertical", "parked": True},
 }
+"""``parked``: the module's vertical_pre/vertical_loss are hidden, so its training_step runs parked at every block
+(the route any module without the protocol takes; docs/models.md measures what it costs)."""
 
 
 class StepTimer(pl.Callback):
@@ -68,6 +71,8 @@ def run_mode(
     module = GPTModule(cfg, lr=1e-4)
     vertical = mode != "horizontal"
     schedule = {**MODES[mode], "micro_batches": micro_batches} if vertical else {}
+    if schedule.pop("parked", False):
+        module.vertical_pre = module.vertical_loss = None  # type: ignore[assignment]
     batch = args.micro_batch * (micro_batches if vertical else 1)
     steps = args.warmup + args.steps
     data = torch.randint(0, 256, (batch * steps * (1 if vertical else micro_batches), args.seq + 1))

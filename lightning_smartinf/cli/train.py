@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import hydra
@@ -25,9 +26,11 @@ from lightning_smartinf.checkpoint.manifest import MANIFEST, latest_checkpoint
 from lightning_smartinf.cli.config import TrainConfig, register_configs
 from lightning_smartinf.cli.plots import plot_run
 from lightning_smartinf.data.corpus import TextDataModule
+from lightning_smartinf.engine.snapshot import engine_nbytes
 from lightning_smartinf.models.gpt import GPTModule
 from lightning_smartinf.monitor import SmartInfinityMonitor
 from lightning_smartinf.resources import asset_dir
+from lightning_smartinf.storage.space import human_bytes
 from lightning_smartinf.strategy import SmartInfinityStrategy
 
 log = logging.getLogger("smartinf-train")
@@ -35,8 +38,9 @@ log = logging.getLogger("smartinf-train")
 
 def build_trainer(cfg: TrainConfig, out_dir: Path) -> tuple[pl.Trainer, SmartInfinityStrategy, SmartInfinityMonitor]:
     strategy = SmartInfinityStrategy(
-        offload=cfg.offload, update=cfg.update, compression=cfg.compression, schedule=cfg.schedule
-    )
+        offload=cfg.offload, update=cfg.update, compression=cfg.compression, schedule=cfg.schedule,
+        init_from=cfg.model.init_from,
+    )  # fmt: skip
     monitor = SmartInfinityMonitor()
     t = cfg.trainer
     callbacks: list[pl.Callback] = [monitor]
@@ -44,7 +48,8 @@ def build_trainer(cfg: TrainConfig, out_dir: Path) -> tuple[pl.Trainer, SmartInf
         every = t.checkpoint_every_n_steps
         callbacks.append(ModelCheckpoint(out_dir / "checkpoints", "step{step}", every_n_train_steps=every,
                                          auto_insert_metric_name=False))  # fmt: skip
-    callbacks.append(FinalCheckpoint(out_dir / "checkpoints"))
+    if t.save_final:
+        callbacks.append(FinalCheckpoint(out_dir / "checkpoints", keep=2 if t.checkpoint_every_n_steps else 1))
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator=t.accelerator,
@@ -71,8 +76,24 @@ class FinalCheckpoint(pl.Callback):
     """Save ``stepN.ckpt`` as training ends, while the fit loop (and its data loader's position) is still alive, so
     that resuming from it continues exactly where the run stopped."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, keep: int = 1) -> None:
         self.directory = directory
+        self.keep = keep
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Before the first step: the checkpoints this run writes must fit on their disk."""
+        engine = trainer.strategy.engine  # type: ignore[attr-defined]
+        needed = engine_nbytes(engine) * self.keep
+        probe = self.directory
+        while not probe.exists():
+            probe = probe.parent
+        free = shutil.disk_usage(probe).free
+        if needed > free:
+            raise OSError(
+                f"the checkpoint at the end of training needs {human_bytes(needed)} under {self.directory} and "
+                f"{human_bytes(free)} is free: free space, set trainer.output_dir to a larger disk, or turn the "
+                "final checkpoint off with trainer.save_final=false"
+            )
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         trainer.save_checkpoint(self.directory / f"step{trainer.global_step}.ckpt", weights_only=False)
@@ -98,14 +119,15 @@ def run(cfg: TrainConfig, out_dir: Path) -> dict[str, object] | None:
     """Train, validate, checkpoint and plot; return the paths and the summary (on rank 0; None on the others)."""
     pl.seed_everything(cfg.trainer.seed, workers=True)
     o = cfg.optim
-    module = GPTModule(cfg.model, lr=o.lr, weight_decay=o.weight_decay, betas=(o.betas[0], o.betas[1]),
-                       warmup_steps=o.warmup_steps, optimizer=o.name)  # fmt: skip
+    trainer, strategy, monitor = build_trainer(cfg, out_dir)
+    with trainer.init_module(empty_init=True):  # on meta: the engine initializes it block by block into storage
+        module = GPTModule(cfg.model.shape(), lr=o.lr, weight_decay=o.weight_decay, betas=(o.betas[0], o.betas[1]),
+                           warmup_steps=o.warmup_steps, optimizer=o.name)  # fmt: skip
     d = cfg.data
     data = TextDataModule(d.path, d.seq_len, d.batch_size, d.val_percent, d.train_samples, d.val_samples,
                           d.num_workers, cfg.trainer.seed)  # fmt: skip
-    trainer, strategy, monitor = build_trainer(cfg, out_dir)
     trainer.fit(module, datamodule=data, ckpt_path=resume_path(cfg.trainer.resume))
-    checkpoint = out_dir / "checkpoints" / f"step{trainer.global_step}.ckpt"
+    checkpoint = out_dir / "checkpoints" / f"step{trainer.global_step}.ckpt" if cfg.trainer.save_final else None
     val = trainer.validate(module, datamodule=data, verbose=False)
     metrics_csv = out_dir / "logs" / "metrics.csv"
     strategy.close()
@@ -116,7 +138,7 @@ def run(cfg: TrainConfig, out_dir: Path) -> dict[str, object] | None:
         "recipe": cfg.recipe_name,
         "val_loss": val[0].get("val_loss") if val else None,
         "summary": monitor.summary,
-        "checkpoint": str(checkpoint),
+        "checkpoint": str(checkpoint) if checkpoint is not None and checkpoint.exists() else None,
         "metrics": str(metrics_csv),
         "plot": str(plot),
         "state_dir": ", ".join(str(Path(p).resolve()) for p in cfg.offload.paths),

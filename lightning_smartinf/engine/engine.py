@@ -23,16 +23,20 @@ from torch.optim import Optimizer
 from lightning_smartinf.compress.topk import TopKCompressor
 from lightning_smartinf.config import CompressionConfig, OffloadConfig, UpdateConfig
 from lightning_smartinf.engine.grads import GradientAccumulator
-from lightning_smartinf.engine.layout import Layout, ParamSlot, Subgroup, build_layout
+from lightning_smartinf.engine.handback import WeightHandback
+from lightning_smartinf.engine.layout import Block, Layout, ParamSlot, Subgroup, build_layout
 from lightning_smartinf.engine.loss_scale import DynamicLossScaler
+from lightning_smartinf.engine.materialize import Materializer
 from lightning_smartinf.engine.params import ParamStreamer
 from lightning_smartinf.engine.partition import Partition
+from lightning_smartinf.engine.pretrained import PretrainedSource
+from lightning_smartinf.memory import host_available_bytes
 from lightning_smartinf.schedule.horizontal import find_blocks, unwrap_blocks, wrap_blocks
 from lightning_smartinf.storage.aligned import align_up, aligned_bytes, typed_view
 from lightning_smartinf.storage.counters import TrafficCounters
 from lightning_smartinf.storage.io import IOBackend, backend_for
 from lightning_smartinf.storage.lock import StateLock
-from lightning_smartinf.storage.space import prepare_directory
+from lightning_smartinf.storage.space import human_bytes, prepare_directory
 from lightning_smartinf.storage.store import FileStore, HostStore, StripedStore, TensorStore, stripe_of
 from lightning_smartinf.update.base import StepContext, Updater
 from lightning_smartinf.update.cpu_adam import load_cpu_adam
@@ -93,6 +97,7 @@ class OffloadEngine:
         overlap: float = 0.0,
         rank: int = 0,
         world: int = 1,
+        init_from: str | Path | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -134,6 +139,8 @@ class OffloadEngine:
         groups = [g["params"] for g in optimizer.param_groups] if optimizer else [list(model.parameters())]
         self.layout = build_layout(model, block_list, groups, offload.subgroup_size, rank, world)
         self.partition = Partition(self.layout)
+        self.materializer = Materializer(model, PretrainedSource(init_from, model) if init_from else None, device)
+        self.materializer.check(dict(model.named_parameters()))
 
         roots = [rank_path(path, rank, world) for path in offload.paths]
         host_update = update.backend == "host"
@@ -190,7 +197,33 @@ class OffloadEngine:
         grad_allocator = None if isinstance(grad_store, HostStore) else disk.allocator  # any page-locked one serves
         self.grads = GradientAccumulator(self.layout, grad_store, offload.step_lookahead, grad_allocator)
         self._grad_flat = aligned_bytes(self.layout.max_block_numel * 4)
+        self._check_host_memory(needed)
         self._initialize()
+
+    def _check_host_memory(self, disk: list[int]) -> None:
+        """Say what host memory and disk this run takes, and refuse before writing any state when the memory on
+        top of the (already allocated) buffer pools does not fit what the host has left."""
+        resident = self.layout.resident
+        on_host = self.device.type == "cpu"
+        # the resident block's 16-bit copy, its autograd gradients and the fp32 gradient gathered from them
+        resident_bytes = resident.numel * (2 * self.itemsize + 4) if on_host else resident.numel * 4
+        working = max((sum(s.numel * torch.empty((), dtype=s.dtype).element_size() for s in b.slots)
+                       for b in self.layout.blocks), default=0)  # fmt: skip
+        available = host_available_bytes()
+        log.info(
+            "smart_infinity host memory: buffer pools %s, resident set %s, set-up working set (the largest block in "
+            "its own dtype) %s; %s available; state on disk %s",
+            human_bytes(self.host_memory_bytes), human_bytes(resident_bytes), human_bytes(working),
+            human_bytes(available), " + ".join(human_bytes(n) for n in disk),
+        )  # fmt: skip
+        if resident_bytes + working > available:
+            raise MemoryError(
+                f"smart_infinity needs {human_bytes(resident_bytes + working)} of host memory beyond its buffer pools "
+                f"({human_bytes(self.host_memory_bytes)}, allocated): the resident set (embeddings, head, norms: "
+                f"{human_bytes(resident_bytes)}) and set-up's largest block ({human_bytes(working)}), but "
+                f"{human_bytes(available)} is available: stream more of the model as blocks (offload_blocks()), "
+                "train in 16-bit, or free memory"
+            )
 
     # -- set-up -------------------------------------------------------------------------------------------------
     def _make_updater(self, rule: OptimizerRule, update: UpdateConfig, disk: FileStore | StripedStore) -> Updater:
@@ -215,10 +248,31 @@ class OffloadEngine:
         return SmartUpdater(rule, specs, self.root, make_store, self.counters, self.layout, wire, on_device, compressor)
 
     def _initialize(self) -> None:
-        if self.updater is not None:
-            self.updater.initialize(self.layout.subgroups, self._initial_master)
-        self.params.initialize()
+        """Write every block's starting state, one block at a time: its parameters get values where they have
+        none (meta) or come from ``init_from``, then its master and 16-bit copies go to storage and its host
+        tensors are freed, so set-up holds one block at a time whatever the model's size."""
+        self.weights = WeightHandback(self)
+        owned = {id(slot.param) for block in self.layout.blocks for slot in block.slots}
+        frozen = [ParamSlot(n, p, 0, p.numel(), p.shape, p.dtype) for n, p in self.model.named_parameters()
+                  if id(p) not in owned]  # fmt: skip
+        self._share(self.materializer.materialize(frozen, None))
+        for slot in frozen:  # frozen ones stay in the module, on the training device
+            if slot.param.device != self.device:
+                slot.param.data = slot.param.data.to(self.device)
+        if self.materializer.pretrained is not None:
+            self.materializer.pretrained.fill_buffers(self.model)
+        for block in self.layout.blocks:
+            self._share(self.materializer.materialize(block.slots, block))
+            if self.updater is not None:
+                self.updater.initialize(block.subgroups, self._initial_master)
+            self.params.initialize_block(block)
         self.block_forwards = wrap_blocks(self, self.block_modules)
+
+    def _share(self, initialized: list[ParamSlot]) -> None:
+        """Data parallel: parameters a rank's init route just filled take rank 0's values (as DDP starts)."""
+        if self.layout.world > 1:
+            for slot in initialized:
+                torch.distributed.broadcast(slot.param.data, 0)
 
     def _initial_master(self, sg: Subgroup) -> torch.Tensor:
         block = self.layout.blocks[sg.block]
@@ -416,17 +470,22 @@ class OffloadEngine:
         self.params.gather_resident()
 
     # -- inspection ----------------------------------------------------------------------------------------------
-    def master_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter's fp32 master value, by parameter name (reads the whole state: for tests and export)."""
+    def block_masters(self, block: Block) -> torch.Tensor:
+        """One block's fp32 masters as its flat buffer, every rank's chunk gathered (a collective under DP)."""
         if self.updater is None:
             raise RuntimeError("no master weights: this engine was built without an optimizer")
         self.wait_step()
+        flat = torch.zeros(block.numel, dtype=torch.float32)
+        for sg in block.subgroups:
+            flat[sg.offset : sg.offset + sg.numel] = self.updater.read_master(sg)
+        self.partition.gather_block(flat, block)
+        return flat
+
+    def master_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter's fp32 master value, by parameter name (reads the whole state: for tests and export)."""
         out: dict[str, torch.Tensor] = {}
         for block in self.layout.blocks:
-            flat = torch.zeros(block.numel, dtype=torch.float32)
-            for sg in block.subgroups:
-                flat[sg.offset : sg.offset + sg.numel] = self.updater.read_master(sg)
-            self.partition.gather_block(flat, block)
+            flat = self.block_masters(block)
             for slot in block.slots:
                 out[slot.name] = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
         return out

@@ -37,6 +37,8 @@ class ParamSlot:
     offset: int
     numel: int
     shape: torch.Size
+    dtype: torch.dtype
+    """The parameter's dtype in the user's module (the engine computes in the training precision's)."""
 
 
 @dataclass
@@ -115,9 +117,13 @@ def build_layout(
     rank: int = 0,
     world: int = 1,
 ) -> Layout:
-    """Place every parameter of ``model`` into a block, a flat offset and (on rank ``rank`` of ``world``) a subgroup.
+    """Place every trainable parameter of ``model`` into a block, a flat offset and (on rank ``rank`` of ``world``)
+    a subgroup.
 
     ``param_groups`` lists the optimizer's parameters per group; every trainable parameter must be in exactly one.
+    Frozen parameters (``requires_grad=False``) are left out: they stay in the module as they are, get no optimizer
+    state and no gradient traffic (and an optimizer that lists them does not step them, as torch skips a parameter
+    without a gradient). A parameter used by several blocks is resident, so that it is one tensor for all of them.
     """
     group_of: dict[int, int] = {}
     for gi, group in enumerate(param_groups):
@@ -129,27 +135,32 @@ def build_layout(
     for pid in group_of:
         if pid not in names:
             raise ValueError("the optimizer holds a parameter that is not in the LightningModule")
-    missing = [n for n, p in model.named_parameters() if id(p) not in group_of]
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in group_of]
     if missing:
         raise ValueError(
-            f"parameters {missing[:5]}{'...' if len(missing) > 5 else ''} are not in the optimizer; smart_infinity "
-            "keeps master weights for every parameter, so pass all of them to the optimizer (frozen parameters "
-            "are not supported yet)"
+            f"parameters {missing[:5]}{'...' if len(missing) > 5 else ''} require gradients but are not in the "
+            "optimizer: pass them to the optimizer, or freeze them with requires_grad_(False) before fit"
         )
 
+    def trainable(module: nn.Module, prefix: str) -> list[nn.Parameter]:
+        return [p for _, p in module.named_parameters(prefix=prefix) if p.requires_grad]
+
+    users: dict[int, int] = {}
+    for name, module in block_modules:
+        for p in trainable(module, name):
+            users[id(p)] = users.get(id(p), 0) + 1
     in_block: set[int] = set()
     blocks = [Block(0, "resident", None, resident=True)]
     for name, module in block_modules:
         block = Block(len(blocks), name, module, resident=False)
-        for pname, p in module.named_parameters(prefix=name):
-            if id(p) in in_block:
-                raise ValueError(f"parameter {pname} is shared between blocks; shared weights must be resident")
-            in_block.add(id(p))
-            block.slots.append(ParamSlot(names[id(p)], p, 0, p.numel(), p.shape))
+        for p in trainable(module, name):
+            if users[id(p)] == 1:
+                in_block.add(id(p))
+                block.slots.append(ParamSlot(names[id(p)], p, 0, p.numel(), p.shape, p.dtype))
         blocks.append(block)
     for name, p in model.named_parameters():
-        if id(p) not in in_block:
-            blocks[0].slots.append(ParamSlot(name, p, 0, p.numel(), p.shape))
+        if p.requires_grad and id(p) not in in_block:
+            blocks[0].slots.append(ParamSlot(name, p, 0, p.numel(), p.shape, p.dtype))
 
     rounded = round_up(subgroup_size)
     subgroups: list[Subgroup] = []

@@ -58,24 +58,34 @@ class ParamStreamer:
         return self.pool.total_bytes + self.out_pool.total_bytes
 
     # -- set-up -------------------------------------------------------------------------------------------------
-    def initialize(self) -> None:
-        """Take ownership of the model's parameters: resident ones onto the device, streamed ones into the store."""
-        resident = self.layout.resident
-        for slot in resident.slots:
-            view = self.resident_flat[slot.offset : slot.offset + slot.numel]
-            view.copy_(slot.param.data.reshape(-1))
-            slot.param.data = view.view(slot.shape)
-        for block in self.layout.streamed:
-            raw = self.pool.acquire(block.numel * self.itemsize)
-            flat = typed_view(raw, self.dtype, block.numel)
+    def initialize_block(self, block: Block) -> None:
+        """Take ownership of one block's parameters (given values just before): the resident block's into the
+        resident buffer, a streamed block's into the store, leaving the module's tensors empty."""
+        if block.resident:
             for slot in block.slots:
-                flat[slot.offset : slot.offset + slot.numel].copy_(slot.param.data.reshape(-1))
+                view = self.resident_flat[slot.offset : slot.offset + slot.numel]
+                view.copy_(slot.param.data.reshape(-1))
+                slot.param.data = view.view(slot.shape)
+            return
+        raw = self.pool.acquire(block.numel * self.itemsize)
+        flat = typed_view(raw, self.dtype, block.numel)
+        for slot in block.slots:
+            flat[slot.offset : slot.offset + slot.numel].copy_(slot.param.data.reshape(-1))
+            slot.param.data = self._empty
+        writes = [self.store.write(PARAM, sg.key, self._sg_bytes(raw, sg), sg.numel * self.itemsize)
+                  for sg in block.subgroups]  # fmt: skip
+        for write in writes:
+            write.result()
+        self.pool.release(raw)
+
+    def attach(self) -> None:
+        """Point the module's parameters at the engine's copies: resident ones at views of the resident buffer,
+        streamed ones at the empty tensor until their block is fetched."""
+        for slot in self.layout.resident.slots:
+            slot.param.data = self.resident_flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        for block in self.layout.streamed:
+            for slot in block.slots:
                 slot.param.data = self._empty
-            writes = [self.store.write(PARAM, sg.key, self._sg_bytes(raw, sg), sg.numel * self.itemsize)
-                      for sg in block.subgroups]  # fmt: skip
-            for write in writes:
-                write.result()
-            self.pool.release(raw)
 
     def _sg_bytes(self, raw: torch.Tensor, sg: Subgroup) -> torch.Tensor:
         return raw[sg.offset * self.itemsize :]

@@ -58,11 +58,11 @@ def layout_record(engine: OffloadEngine) -> dict[str, Any]:
             for b in engine.layout.blocks
         ],
         "subgroups": [[sg.key, sg.block, sg.param_group, sg.offset, sg.numel] for sg in engine.layout.subgroups],
-        "aliases": _aliases(engine),
+        "aliases": parameter_aliases(engine),
     }
 
 
-def _aliases(engine: OffloadEngine) -> dict[str, str]:
+def parameter_aliases(engine: OffloadEngine) -> dict[str, str]:
     """Second names of shared parameters (``state_dict`` lists each name), mapped to the name the layout uses."""
     first: dict[int, str] = {}
     aliases = {}

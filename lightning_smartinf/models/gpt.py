@@ -18,6 +18,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
+from lightning_smartinf.meta import building_on_meta
+
 
 @dataclass
 class GPTConfig:
@@ -85,23 +87,33 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        rng = torch.get_rng_state()
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.apply(self._init_weights)
-        for name, param in self.named_parameters():  # GPT-2's scaled init of residual projections
-            if name.endswith(("attn.proj.weight", "out.weight")):
-                nn.init.normal_(param, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        if not building_on_meta():  # else the engine initializes it, block by block (engine/materialize.py)
+            # the layers' default inits drew from the RNG; rewind it, so that init_weights draws what the engine's
+            # block-by-block init of a meta-built GPT draws, in the same order: the same values either way
+            torch.set_rng_state(rng)
+            with torch.no_grad():
+                self.apply(self.init_weights)
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
+    def init_weights(self, module: nn.Module) -> None:
+        """GPT-2's init of one submodule (``apply`` order, children first): N(0, 0.02) for Linear and Embedding,
+        ones/zeros for LayerNorm, and the residual projections of a Block rescaled by 1/sqrt(2 n_layer). The same
+        function initializes an eager model and, block by block, a meta-built one (``engine/materialize.py``)."""
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, std=0.02)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, std=0.02)
+        elif isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
+        elif isinstance(module, Block):
+            for weight in (module.attn.proj.weight, module.out.weight):
+                nn.init.normal_(weight, std=0.02 / math.sqrt(2 * self.cfg.n_layer))
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """(b, t) token ids -> (b, t, n_embd) hidden states."""
@@ -149,6 +161,10 @@ class GPTModule(pl.LightningModule):
         module = cls(**{**hyper, "model": GPTConfig(**hyper["model"])})
         module.load_state_dict(load_file(str(path)))
         return module
+
+    def init_weights(self, module: nn.Module) -> None:
+        """The init route of a meta-built GPT (``trainer.init_module(empty_init=True)``): GPT's own."""
+        self.gpt.init_weights(module)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.gpt(idx)

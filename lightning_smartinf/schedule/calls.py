@@ -93,6 +93,19 @@ class RecomputeState:
         return torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [])
 
 
+def recompute(
+    fn: Callable[..., Any], inputs: Flat, saved: list[torch.Tensor] | tuple[torch.Tensor, ...], state: RecomputeState
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Rerun a block call for its backward: on detached copies of ``saved`` (its input tensors), with grad, under
+    its forward's RNG and autocast ``state``. Returns the copies (their ``.grad`` is the inputs' gradient once the
+    outputs are backpropagated) and the output tensors."""
+    tensors = [x.detach().requires_grad_(x.requires_grad) for x in saved]
+    with state.forked():
+        with state.replay(), torch.enable_grad():
+            outputs = flatten(call(fn, inputs, tensors), "a block's output").tensors
+    return tensors, outputs
+
+
 class BlockRoute(Protocol):
     """Where a streamed block's call goes from the thread that makes it (the vertical schedule parks it)."""
 

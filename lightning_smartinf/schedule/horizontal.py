@@ -17,7 +17,16 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from lightning_smartinf.schedule.calls import Flat, RecomputeState, call, differentiable, flatten, route, training_call
+from lightning_smartinf.schedule.calls import (
+    Flat,
+    RecomputeState,
+    call,
+    differentiable,
+    flatten,
+    recompute,
+    route,
+    training_call,
+)
 
 
 class BlockRunner(Protocol):
@@ -53,12 +62,14 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 class _StreamedBlock(torch.autograd.Function):
     """One block call on its tensor leaves: forward runs it without a graph (keeping only its inputs), backward
     fetches the block again, recomputes it from them and backpropagates. The output's structure is handed back
-    through ``out`` (a one-element list), since a Function returns tensors only."""
+    through ``out`` (a one-element list), since a Function returns tensors only. ``anchor``, an empty tensor that
+    requires grad, is passed when the block's parameters train but none of its inputs need a gradient (a frozen
+    embedding, frozen earlier blocks): without it autograd would not call this backward at all."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, runner: BlockRunner, index: int, fn: Callable[..., Any], inputs: Flat, out: list[Flat],
-        *tensors: torch.Tensor,
+        anchor: torch.Tensor | None, *tensors: torch.Tensor,
     ) -> Any:  # fmt: skip
         ctx.runner, ctx.index, ctx.fn, ctx.inputs = runner, index, fn, inputs
         ctx.recompute = RecomputeState(runner.device)
@@ -75,29 +86,30 @@ class _StreamedBlock(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> Any:
-        tensors = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
         runner: BlockRunner = ctx.runner
         runner.enter_block(ctx.index, backward=True)
         try:
-            with ctx.recompute.forked():
-                with ctx.recompute.replay(), torch.enable_grad():
-                    outputs = flatten(call(ctx.fn, ctx.inputs, tensors), "a block's output").tensors
+            tensors, outputs = recompute(ctx.fn, ctx.inputs, ctx.saved_tensors, ctx.recompute)
             pairs = [(o, g) for o, g in zip(outputs, grad_outputs, strict=True) if o.requires_grad and g is not None]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             runner.collect_block_grads(ctx.index)
         finally:
             runner.exit_block(ctx.index, backward=True)
-        return (None, None, None, None, None, *[x.grad if x.requires_grad else None for x in tensors])
+        return (None, None, None, None, None, None, *[x.grad if x.requires_grad else None for x in tensors])
 
 
 def stream_call(
-    runner: BlockRunner, index: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    """Call block ``index`` (engine numbering) with its parameters streamed in for the call and for its backward."""
+    runner: BlockRunner, index: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+    trainable: bool = True,
+) -> Any:  # fmt: skip
+    """Call block ``index`` (engine numbering) with its parameters streamed in for the call and for its backward;
+    ``trainable``: some of the block's parameters require gradients."""
     inputs = training_call(args, kwargs)
     out: list[Flat] = []
-    tensors = _StreamedBlock.apply(runner, index, fn, inputs, out, *inputs.tensors)
+    needs_anchor = trainable and torch.is_grad_enabled() and not any(t.requires_grad for t in inputs.tensors)
+    anchor = torch.empty(0, requires_grad=True) if needs_anchor else None
+    tensors = _StreamedBlock.apply(runner, index, fn, inputs, out, anchor, *inputs.tensors)
     return out[0].rebuild(tensors)
 
 
@@ -110,11 +122,13 @@ def wrap_blocks(runner: BlockRunner, modules: Sequence[nn.Module]) -> list[Calla
     for i, module in enumerate(modules):
         original = module.forward
 
-        def forward(*args: Any, _index: int = i + 1, _fn: Callable[..., Any] = original, **kwargs: Any) -> Any:
+        def forward(*args: Any, _index: int = i + 1, _fn: Callable[..., Any] = original, _module: nn.Module = module,
+                    **kwargs: Any) -> Any:  # fmt: skip
             parked = route()
             if parked is not None:
                 return parked.call_block(_index, _fn, args, kwargs)
-            return stream_call(runner, _index, _fn, args, kwargs)
+            trainable = any(p.requires_grad for p in _module.parameters())
+            return stream_call(runner, _index, _fn, args, kwargs, trainable)
 
         module.forward = forward  # type: ignore[method-assign]
     return originals

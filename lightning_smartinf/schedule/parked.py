@@ -32,6 +32,7 @@ from lightning_smartinf.schedule.calls import (
     call,
     differentiable,
     flatten,
+    recompute,
     set_route,
     training_call,
 )
@@ -289,13 +290,13 @@ class ParkedVertical:
         if not pairs:
             return
         inputs = record.call.inputs
-        tensors = [x.detach().requires_grad_(x.requires_grad) for x in inputs.tensors]
-        with record.state.forked():
-            with record.state.replay(), torch.enable_grad():
-                outputs = flatten(call(record.call.fn, inputs, tensors), "a block's output").tensors
+        tensors, outputs = recompute(record.call.fn, inputs, inputs.tensors, record.state)
         by_id = {id(o): i for i, o in enumerate(record.outputs)}
-        recomputed = [outputs[by_id[id(o)]] for o, _ in pairs]
-        torch.autograd.backward(recomputed, [g for _, g in pairs])
+        recomputed = [(outputs[by_id[id(o)]], g) for o, g in pairs]
+        recomputed = [(o, g) for o, g in recomputed if o.requires_grad]  # not for a block frozen with frozen inputs
+        if not recomputed:
+            return
+        torch.autograd.backward([o for o, _ in recomputed], [g for _, g in recomputed])
         for original, detached in zip(inputs.tensors, tensors, strict=True):
             if original.requires_grad and detached.grad is not None:
                 targets.append(original)

@@ -8,6 +8,7 @@ overlap I/O with compute without knowing which backend runs. Each worker thread 
 from __future__ import annotations
 
 import atexit
+import errno
 import itertools
 import logging
 import os
@@ -127,6 +128,34 @@ def supports_o_direct(directory: Path) -> bool:
         probe.unlink(missing_ok=True)
 
 
+def io_error(err: OSError, action: str, path: Path, nbytes: int) -> OSError:
+    """``err`` restated with what was being done: ``action`` ("writing"/"reading"), the bytes and the path, the
+    errno by name, and for a full disk what to do."""
+    name = errno.errorcode.get(err.errno or 0, "error")
+    hint = ": free space there or point offload.nvme_path at a larger disk" if err.errno == errno.ENOSPC else ""
+    return type(err)(err.errno, f"{action} {nbytes} bytes {'to' if action == 'writing' else 'from'} {path} "
+                                f"failed: {err.strerror or err} ({name}){hint}")  # fmt: skip
+
+
+class ShortTransfer(OSError):
+    """A read or write that moved fewer bytes than asked, already named with its path and counts."""
+
+
+def short_transfer(action: str, path: Path, done: int, nbytes: int) -> ShortTransfer:
+    return ShortTransfer(errno.EIO, f"{action} {nbytes} bytes {'to' if action == 'writing' else 'from'} {path} stopped "
+                              f"at {done} bytes (EIO): the storage under it is failing or full")  # fmt: skip
+
+
+def check_readable(path: Path, nbytes: int) -> None:
+    """A read of ``nbytes`` from ``path`` must find them all: a short file is an error, never zeros."""
+    try:
+        size = path.stat().st_size
+    except OSError as err:
+        raise io_error(err, "reading", path, nbytes) from err
+    if size < nbytes:
+        raise EOFError(f"reading {nbytes} bytes from {path}: the file holds only {size} (truncated or never written)")
+
+
 class _QueuedBackend:
     """What both backends share: requests go through a ``RequestQueue`` to the subclass's blocking ``_read`` and
     ``_write``, which run on its worker threads."""
@@ -161,26 +190,38 @@ class ThreadPoolIO(_QueuedBackend):
 
     def _read(self, path: Path, buffer: torch.Tensor) -> None:
         view = bytes_view(buffer)
-        fd = os.open(path, os.O_RDONLY | self._flag)
         try:
-            done = 0
-            while done < len(view):
-                n = os.preadv(fd, [view[done:]], done)
-                if n == 0:
-                    raise EOFError(f"{path}: file ends at {done} bytes, {len(view)} expected")
-                done += n
-        finally:
-            os.close(fd)
+            fd = os.open(path, os.O_RDONLY | self._flag)
+            try:
+                done = 0
+                while done < len(view):
+                    n = os.preadv(fd, [view[done:]], done)
+                    if n == 0:
+                        raise EOFError(f"reading {len(view)} bytes from {path}: the file ends at {done} bytes "
+                                       "(truncated or never written)")  # fmt: skip
+                    done += n
+            finally:
+                os.close(fd)
+        except OSError as err:
+            raise io_error(err, "reading", path, len(view)) from err
 
     def _write(self, path: Path, buffer: torch.Tensor) -> None:
         view = bytes_view(buffer)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | self._flag, 0o644)
         try:
-            done = 0
-            while done < len(view):
-                done += os.pwritev(fd, [view[done:]], done)
-        finally:
-            os.close(fd)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | self._flag, 0o644)
+            try:
+                done = 0
+                while done < len(view):
+                    n = os.pwritev(fd, [view[done:]], done)
+                    if n <= 0:
+                        raise short_transfer("writing", path, done, len(view))
+                    done += n
+            finally:
+                os.close(fd)
+        except ShortTransfer:
+            raise
+        except OSError as err:
+            raise io_error(err, "writing", path, len(view)) from err
 
 
 CAP_IPC_LOCK = 14
@@ -272,12 +313,38 @@ class DeepSpeedAIO(_QueuedBackend):
         return handle
 
     def _read(self, path: Path, buffer: torch.Tensor) -> None:
+        # the op checks no byte count, and a read past a file's end aborts the process in C++: check first
+        check_readable(path, buffer.numel())
         if self._handle().sync_pread(buffer, str(path)) < 0:
-            raise OSError(f"deepspeed aio read of {buffer.numel()} bytes from {path} failed")
+            raise OSError(errno.EIO, f"reading {buffer.numel()} bytes from {path} failed in DeepSpeed's aio (EIO)")
 
     def _write(self, path: Path, buffer: torch.Tensor) -> None:
+        """The op reports no byte count (a write to a full disk "succeeds" short), so the file's blocks are
+        reserved first with ``posix_fallocate``, which fails with ENOSPC where the write would fall short, and the
+        file's size is checked after."""
+        nbytes = buffer.numel()
+        reserve(path, nbytes)
         if self._handle().sync_pwrite(buffer, str(path)) < 0:
-            raise OSError(f"deepspeed aio write of {buffer.numel()} bytes to {path} failed")
+            raise OSError(errno.EIO, f"writing {nbytes} bytes to {path} failed in DeepSpeed's aio (EIO)")
+        try:
+            size = path.stat().st_size
+        except OSError as err:
+            raise io_error(err, "writing", path, nbytes) from err
+        if size < nbytes:
+            raise short_transfer("writing", path, size, nbytes)
+
+
+def reserve(path: Path, nbytes: int) -> None:
+    """Make sure ``path`` has ``nbytes`` allocated (a no-op for a file rewritten in place at its size)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            if os.fstat(fd).st_size < nbytes:
+                os.posix_fallocate(fd, 0, nbytes)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        raise io_error(err, "writing", path, nbytes) from err
 
 
 def deepspeed_aio_available() -> bool:

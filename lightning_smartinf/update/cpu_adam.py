@@ -15,20 +15,33 @@ _ids = itertools.count(10_000)
 
 
 class DeepSpeedCPUAdamKernel:
-    """Calls ``adam_update`` of DeepSpeed's compiled cpu_adam op directly, one optimizer id per mode."""
+    """Calls ``adam_update`` of DeepSpeed's compiled cpu_adam op directly.
+
+    The op keeps Adam's bias corrections as a running product (``beta ** step`` multiplied up one step at a time)
+    while steps arrive one by one, and recomputes them with ``pow`` after any jump, such as a resume: a resumed
+    run would then round differently from an uninterrupted one. So each optimizer step gets a fresh optimizer id
+    (per mode), whose first call always takes the op's ``pow`` path: the corrections depend on the step number
+    alone, and a resume is bit-exact."""
 
     def __init__(self) -> None:
         from deepspeed.ops.op_builder import CPUAdamBuilder
 
         self._op: Any = load_op(CPUAdamBuilder())
-        self._ids: dict[bool, int] = {}
+        self._ids: dict[bool, tuple[int, int]] = {}
+        """mode (adamw) -> (step, optimizer id)."""
 
-    def _id(self, adamw: bool) -> int:
-        if adamw not in self._ids:
-            self._ids[adamw] = next(_ids)
-            # lr/betas/eps/wd given here are defaults; adam_update passes the live values every call.
-            self._op.create_adam(self._ids[adamw], 1e-3, 0.9, 0.999, 1e-8, 0.0, adamw, False)
-        return self._ids[adamw]
+    def _id(self, adamw: bool, step: int, beta1: float, beta2: float) -> int:
+        held = self._ids.get(adamw)
+        if held is not None and held[0] == step:
+            return held[1]
+        if held is not None:
+            self._op.destroy_adam(held[1])
+        opt_id = next(_ids)
+        # lr/eps/wd given here are defaults (adam_update passes the live values every call); the betas are the
+        # live ones, so that the first call's step (> 1) takes the pow path, and step 1 its equal product
+        self._op.create_adam(opt_id, 1e-3, beta1, beta2, 1e-8, 0.0, adamw, False)
+        self._ids[adamw] = (step, opt_id)
+        return opt_id
 
     def update(
         self,
@@ -42,12 +55,12 @@ class DeepSpeedCPUAdamKernel:
     ) -> None:
         beta1, beta2 = hyper["betas"]
         self._op.adam_update(
-            self._id(adamw), step, hyper["lr"], beta1, beta2, hyper["eps"], hyper["weight_decay"], True,
+            self._id(adamw, step, beta1, beta2), step, hyper["lr"], beta1, beta2, hyper["eps"], hyper["weight_decay"], True,
             master, grad, exp_avg, exp_avg_sq,
         )  # fmt: skip
 
     def close(self) -> None:
-        for opt_id in self._ids.values():
+        for _, opt_id in self._ids.values():
             self._op.destroy_adam(opt_id)
         self._ids.clear()
 

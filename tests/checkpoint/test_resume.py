@@ -21,6 +21,9 @@ CASES = {
                                                                            "eager_update": True}}, "32-true"),
     "smart-bf16": ({"update": {"backend": "smart", "devices": 2}}, "bf16-mixed"),
     "host-fp16-loss-scaling": ({"update": {"host_adam": "torch"}}, "16-mixed"),
+    "host-deepspeed-adam": ({"update": {"host_adam": "deepspeed"}}, "32-true"),
+    "host-deepspeed-adam-bf16-vertical-overlap": ({"update": {"host_adam": "deepspeed"}, "schedule": {
+        "kind": "vertical", "micro_batches": 2, "overlap": 0.5}}, "bf16-mixed"),
 }  # fmt: skip
 
 
@@ -59,3 +62,14 @@ def test_resume_refuses_a_damaged_checkpoint_before_loading_anything(tmp_path: P
     victim.write_bytes(b"\0" * victim.stat().st_size)
     with pytest.raises(CheckpointCorruptError, match="exp_avg/sg000002: contents altered"):
         train(tmp_path / "second", 4, settings, precision, resume=checkpoint)
+
+
+def test_resume_from_a_mid_run_save_with_the_default_optimizer(tmp_path: Path) -> None:
+    """DeepSpeed's CPU Adam (the default host update), resumed from the step-2 save of a 4-step run: the op's bias
+    corrections depend on the step alone (update/cpu_adam.py), so the resumed run is the uninterrupted one."""
+    settings: dict[str, Any] = {"update": {"host_adam": "deepspeed"}}
+    expected = train(tmp_path / "straight", 6, settings, "32-true")
+    train(tmp_path / "split", 4, settings, "32-true")
+    mid = next(p for p in (tmp_path / "split" / "ckpts").iterdir() if p.name.endswith("step=2.ckpt"))
+    got = train(tmp_path / "split", 6, settings, "32-true", resume=mid)
+    assert all(torch.equal(got[name], expected[name]) for name in expected)

@@ -8,7 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from zoo import MODELS, CausalLM, token_batches
+from zoo import MODELS, VOCAB, CausalLM, token_batches
 
 from lightning_smartinf.strategy import SmartInfinityStrategy
 
@@ -51,10 +51,15 @@ def test_library_model_equals_plain_lightning(tmp_path: Path, family: str, sched
         update={"backend": "smart", "devices": 2} if schedule == "smart" else {"host_adam": "torch"},
         schedule={"kind": "vertical", "micro_batches": 2} if vertical else None,
     )  # fmt: skip
-    _, trainer = fit(family, strategy, 4 if vertical else 2, 1 if vertical else 2, clip, lr)
+    module, trainer = fit(family, strategy, 4 if vertical else 2, 1 if vertical else 2, clip, lr)
     engine = trainer.strategy.engine
     assert len(engine.layout.streamed) == 2 and engine.step_count == 6
     assert relative(trainer.strategy.consolidated_state_dict(), reference) < 1e-5
+    # the trained weights are back in the user's module: its state dict and its forward are plain Lightning's
+    assert relative(module.state_dict(), reference) < 1e-5
+    tokens = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(module(tokens), reference(tokens), rtol=1e-4, atol=1e-5)
     # each block's parameters are read once per micro-batch (horizontal) or once per iteration (vertical), twice each
     reads = engine.counters.total(link="host", kind="param", direction="read")
     streamed = sum(sg.numel for b in engine.layout.streamed for sg in b.subgroups) * 4

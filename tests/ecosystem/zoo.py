@@ -67,6 +67,11 @@ class CausalLM(pl.LightningModule):
             return F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
         return self.model(input_ids=batch, labels=batch).loss  # type: ignore[no-any-return]
 
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.training_step(batch, batch_idx)
+        self.log("val_loss", loss)
+        return loss
+
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr, weight_decay=0.1)
 

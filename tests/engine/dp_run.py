@@ -11,6 +11,7 @@ newest there.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -26,6 +27,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.checkpoint import latest_checkpoint
 from lightning_smartinf.engine.grads import GradientAccumulator
+from lightning_smartinf.meta import meta_parameters
 from lightning_smartinf.models.gpt import GPTConfig, GPTModule
 
 TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=256, block_size=16)
@@ -52,6 +54,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save", action="store_true")
     parser.add_argument("--width", type=int, default=TINY.n_embd)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--meta", action="store_true", help="build the model on meta (initialized at set-up)")
     return parser.parse_args(argv)
 
 
@@ -71,7 +74,8 @@ def arm_death(rank: int) -> None:
 
 def run(args: argparse.Namespace) -> SmartInfinityStrategy:
     torch.manual_seed(0)
-    module = GPTModule(replace(TINY, n_embd=args.width), optimizer=args.optimizer, lr=1e-2)
+    with meta_parameters() if args.meta else contextlib.nullcontext():
+        module = GPTModule(replace(TINY, n_embd=args.width), optimizer=args.optimizer, lr=1e-2)
     data = torch.randint(0, 256, (SAMPLES, TINY.block_size + 1), generator=torch.Generator().manual_seed(1))
     update: dict[str, Any] = {"backend": args.update, "host_adam": "torch"}
     offload = {"nvme_path": str(args.out / "state"), "subgroup_size": 4096, "io_backend": "threads"}

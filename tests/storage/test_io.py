@@ -6,6 +6,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -141,3 +142,38 @@ def test_requests_left_queued_at_exit_are_still_served(tmp_path: Path) -> None:
     )
     subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
     assert mark.read_text() == "x"
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Any:
+    """A 1 MiB tmpfs (needs root, as CI has): a disk that fills up."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.parametrize("kind", ["threads", "aio"])
+def test_a_write_to_a_full_disk_is_an_error_naming_path_and_bytes(tiny_tmpfs: Path, kind: str) -> None:
+    """DeepSpeed's aio reports a 4 MiB write to a 1 MiB disk as done; the backend must not."""
+    backend = make_backend(kind, tiny_tmpfs, threads=2, intra_op_parallelism=1, block_size=1 << 20, queue_depth=8)
+    try:
+        with pytest.raises(OSError, match=rf"writing 4194304 bytes to {tiny_tmpfs}/f.*ENOSPC"):
+            backend.write(tiny_tmpfs / "f", aligned_bytes(4 << 20)).result()
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("kind", ["threads", "aio"])
+def test_a_short_read_is_an_error_not_zeros(tmp_path: Path, kind: str) -> None:
+    """A truncated state file: the aio op would abort the process in C++; both backends raise, naming the file."""
+    backend = make_backend(kind, tmp_path, threads=2, intra_op_parallelism=1, block_size=1 << 20, queue_depth=8)
+    (tmp_path / "f").write_bytes(b"x" * 4096)
+    try:
+        with pytest.raises(EOFError, match=rf"reading 8192 bytes from {tmp_path}/f.*4096"):
+            backend.read(tmp_path / "f", aligned_bytes(8192)).result()
+    finally:
+        backend.close()

@@ -1,0 +1,129 @@
+"""The trained weights back in the user's module between stages, and the engine's again at the next one.
+
+While a stage runs, the engine owns the parameters: resident ones are views of its 16-bit buffer, streamed ones are
+empty except while their block runs. At the end of fit, validate, test or predict the module should behave as after
+plain Lightning (``state_dict()``, ``model(x)``, ``save_pretrained``), so ``give`` puts every trained value back in
+its parameter, in the parameter's original dtype, block by block from the fp32 masters (``offload.return_weights``
+= ``module``). A model too large for host memory gets meta tensors instead (``meta``): every use fails loudly, and
+the values stay in the engine's state, for an export. ``auto`` picks ``module`` when the weights fit in half of the
+host memory still available. ``take`` at the next stage's set-up hands them back to the engine, whose state stays
+authoritative: a change made to the module's weights in between is not seen by the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from lightning_smartinf.engine.layout import ParamSlot
+from lightning_smartinf.memory import host_available_bytes
+from lightning_smartinf.schedule.horizontal import unwrap_blocks, wrap_blocks
+from lightning_smartinf.storage.space import human_bytes
+
+if TYPE_CHECKING:
+    from lightning_smartinf.engine.engine import OffloadEngine
+
+log = logging.getLogger(__name__)
+
+
+class WeightHandback:
+    """Moves the parameters between the engine and the module (see the module docstring)."""
+
+    def __init__(self, engine: OffloadEngine) -> None:
+        self.engine = engine
+        self.slots = [slot for block in engine.layout.blocks for slot in block.slots]
+        self.given: str | None = None
+        self._swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+        # without an optimizer nothing changes the weights, and the 16-bit copies may have rounded them: keep them
+        # (not for a model built on meta: its values came from init_from or its init, and stay there)
+        keep = engine.updater is None and not any(slot.param.is_meta for slot in self.slots)
+        self._originals = [slot.param.data for slot in self.slots] if keep else None
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of every engine-owned parameter in its original dtype."""
+        return sum(s.numel * torch.empty((), dtype=s.dtype).element_size() for s in self.slots)
+
+    def resolve(self, mode: str) -> str:
+        if mode != "auto":
+            return mode
+        available = host_available_bytes()
+        return "module" if 2 * self.nbytes <= available else "meta"
+
+    def give(self, mode: str) -> str:
+        """End of a stage: the module's parameters hold their trained values (``module``) or meta tensors
+        (``meta``); the blocks' ``forward`` are the module's own again. Returns the mode used."""
+        if self.given is not None:
+            return self.given
+        engine = self.engine
+        engine.wait_step()
+        engine.params.release_all()
+        unwrap_blocks(engine.block_modules)
+        chosen = self.resolve(mode)
+        if engine.updater is None and self._originals is None:  # nothing to fill from: meta-built, not trained
+            chosen = "meta"
+        if chosen == "module":
+            self._fill()
+        else:
+            self._to_meta(mode)
+        self.given = chosen
+        return chosen
+
+    def _fill(self) -> None:
+        engine = self.engine
+        if self._originals is not None:
+            for slot, original in zip(self.slots, self._originals, strict=True):
+                slot.param.data = original
+            return
+        for block in engine.layout.blocks:
+            flat = engine.block_masters(block)
+            for slot in block.slots:
+                value = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                slot.param.data = value.to(device=engine.device, dtype=slot.dtype, copy=True)
+
+    def _to_meta(self, mode: str) -> None:
+        """Replace each engine-owned Parameter by a meta Parameter (one new object per shared one, so tied weights
+        stay tied); the originals are kept for ``take``, since the optimizer holds them."""
+        replacement = {id(s.param): _meta_like(s) for s in self.slots}
+        for module in self.engine.model.modules():
+            for name, param in list(module._parameters.items()):
+                if param is not None and id(param) in replacement:
+                    self._swapped.append((module, name, param))
+                    module._parameters[name] = replacement[id(param)]
+        why = "offload.return_weights=meta" if mode == "meta" else (
+            f"offload.return_weights=auto: the weights take {human_bytes(self.nbytes)}, more than half of the "
+            f"{human_bytes(host_available_bytes())} of host memory available"
+        )  # fmt: skip
+        log.warning(
+            "smart_infinity: %s, so the module's parameters are meta tensors now; the trained values stay in %s. "
+            "Write them out with trainer.strategy.export(DIR) (safetensors, block by block), or "
+            "trainer.save_checkpoint(PATH) then `smartinf-export PATH OUT`; or set offload.return_weights=module "
+            "to have them in the module",
+            why, self.engine.root,
+        )  # fmt: skip
+
+    def take(self) -> None:
+        """Start of the next stage: the engine owns the parameters again (its state is the current one)."""
+        if self.given is None:
+            return
+        for module, name, param in self._swapped:
+            module._parameters[name] = param
+        self._swapped.clear()
+        engine = self.engine
+        engine.params.attach()
+        engine.block_forwards = wrap_blocks(engine, engine.block_modules)
+        self.given = None
+
+    def keep_in_module(self) -> None:
+        """Before the engine closes while the module lives on (an evaluation engine replaced by one for fit): the
+        module's parameters hold their values, whichever mode the last stage gave them back in."""
+        if self.given != "module":
+            self.take()
+            self.give("module")
+
+
+def _meta_like(slot: ParamSlot) -> nn.Parameter:
+    return nn.Parameter(torch.empty(slot.shape, dtype=slot.dtype, device="meta"), slot.param.requires_grad)
