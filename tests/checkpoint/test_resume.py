@@ -27,7 +27,8 @@ CASES = {
 }  # fmt: skip
 
 
-def train(root: Path, steps: int, settings: dict[str, Any], precision: str, resume: Path | None = None) -> Any:
+def train(root: Path, steps: int, settings: dict[str, Any], precision: str, resume: Path | None = None,
+          samples: int = 16) -> Any:  # fmt: skip
     strategy = SmartInfinityStrategy(
         offload={"nvme_path": str(root / "state"), "subgroup_size": 4096, "io_backend": "threads"}, **settings
     )
@@ -36,7 +37,7 @@ def train(root: Path, steps: int, settings: dict[str, Any], precision: str, resu
         callbacks=[ModelCheckpoint(dirpath=root / "ckpts", every_n_train_steps=2, save_top_k=-1)],
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
     )  # fmt: skip
-    trainer.fit(make_module(seed=1 if resume else 0), token_loader(samples=16), ckpt_path=resume)
+    trainer.fit(make_module(seed=1 if resume else 0), token_loader(samples=samples), ckpt_path=resume)
     state = strategy.consolidated_state_dict()
     strategy.close()
     return state
@@ -65,11 +66,13 @@ def test_resume_refuses_a_damaged_checkpoint_before_loading_anything(tmp_path: P
 
 
 def test_resume_from_a_mid_run_save_with_the_default_optimizer(tmp_path: Path) -> None:
-    """DeepSpeed's CPU Adam (the default host update), resumed from the step-2 save of a 4-step run: the op's bias
-    corrections depend on the step alone (update/cpu_adam.py), so the resumed run is the uninterrupted one."""
+    """DeepSpeed's CPU Adam (the default host update), resumed from the step-6 save of a 10-step run. Its running
+    product of beta2=0.95 leaves pow(0.95, n) in float32 from step 6, so a resume there shows whether
+    the corrections depend on the step alone (update/cpu_adam.py); before that fix this differed. Two batches an
+    epoch: a plain DataLoader restarts its epoch on resume, so every save falls on an epoch's end."""
     settings: dict[str, Any] = {"update": {"host_adam": "deepspeed"}}
-    expected = train(tmp_path / "straight", 6, settings, "32-true")
-    train(tmp_path / "split", 4, settings, "32-true")
-    mid = next(p for p in (tmp_path / "split" / "ckpts").iterdir() if p.name.endswith("step=2.ckpt"))
-    got = train(tmp_path / "split", 6, settings, "32-true", resume=mid)
+    expected = train(tmp_path / "straight", 10, settings, "32-true", samples=8)
+    train(tmp_path / "split", 10, settings, "32-true", samples=8)
+    mid = next(p for p in (tmp_path / "split" / "ckpts").iterdir() if p.name.endswith("step=6.ckpt"))
+    got = train(tmp_path / "resumed", 10, settings, "32-true", resume=mid, samples=8)
     assert all(torch.equal(got[name], expected[name]) for name in expected)
