@@ -2,12 +2,14 @@
 
 The first load compiles the op (minutes); torch guards the build with a ``lock`` file in the build directory and
 waits, without a limit, while one exists. A build killed part-way leaves that file behind, and every later load
-then hangs silently. So before loading we say when a compile is coming, and name a leftover lock and how to clear it.
+would then hang silently. So before loading we say when a compile is coming, remove a lock that no live build holds,
+and wait on one that a live build holds for a bounded time only.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,18 +28,55 @@ def build_lock(name: str) -> Path | None:
     return lock if lock.exists() else None
 
 
+def build_in_progress(directory: Path) -> bool:
+    """Whether a live process is building in ``directory``: torch runs ninja (and the compiler under it) with the
+    build directory as its working directory."""
+    target = directory.resolve()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cwd = (proc / "cwd").resolve()
+        except OSError:
+            continue
+        if cwd == target or target in cwd.parents:
+            return True
+    return False
+
+
+def clear_stale_lock(name: str, directory: Path, grace: float = 10.0, patience: float = 1800.0) -> None:
+    """A build lock with no live build behind it (left by a killed compile) is removed, with a warning; one with a
+    build behind it is waited on for up to ``patience`` seconds, then an error names the lock and the fix. torch
+    itself would wait on either forever."""
+    lock = directory / "lock"
+    started = time.monotonic()
+    warned = False
+    while lock.exists():
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if not build_in_progress(directory):
+            if age >= grace:
+                log.warning("DeepSpeed's %s op: removed the build lock %s, which no live build holds (a compile "
+                            "was killed part-way); building again", name, lock)  # fmt: skip
+                lock.unlink(missing_ok=True)
+                return
+        elif not warned:
+            log.warning("DeepSpeed's %s op is being built by another process (lock %s): waiting for it", name, lock)
+            warned = True
+        if time.monotonic() - started > patience:
+            raise TimeoutError(
+                f"DeepSpeed's {name} op: the build holding {lock} has not finished in {patience:.0f} s; stop it, then "
+                f"`rm {lock}` and run again"
+            )
+        time.sleep(1.0)
+
+
 def load_op(builder: Any) -> Any:
-    """``builder.load()``, logging a first-use compile and warning about a build lock left by a killed build."""
+    """``builder.load()``, logging a first-use compile; a build lock left by a killed build is cleared first, and
+    one held by a live build is waited on with a limit (``clear_stale_lock``)."""
     directory = _build_directory(builder.NAME)
-    lock = build_lock(builder.NAME)
-    if lock is not None:
-        log.warning(
-            "DeepSpeed's %s op: waiting for the build lock %s. If no other process is compiling it, a killed build "
-            "left it behind and this waits forever: delete that file",
-            builder.NAME,
-            lock,
-        )
-    elif not (directory / f"{builder.NAME}.so").exists():
+    clear_stale_lock(builder.NAME, directory)
+    if not (directory / f"{builder.NAME}.so").exists():
         log.info("compiling DeepSpeed's %s op in %s (first use only; a few minutes)", builder.NAME, directory)
     return builder.load(verbose=False)
 

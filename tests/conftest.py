@@ -33,7 +33,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         reporter.write_line("building DeepSpeed's ops (first run on a machine only: a few minutes)")
         for name in ("async_io", "cpu_adam"):
             if (lock := build_lock(name)) is not None:
-                reporter.write_line(f"waiting on {lock}: delete it if no other process is compiling {name}")
+                reporter.write_line(f"found {lock}: waiting if a build holds it, removing it if none does")
     loaded = build_all()
     if reporter is not None:
         reporter.write_line(f"DeepSpeed ops ready: {', '.join(loaded) or 'none compatible'}")

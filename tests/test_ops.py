@@ -1,13 +1,17 @@
-"""The op loader names a build lock left behind by a killed compile (torch would wait on it silently, forever)."""
+"""The op loader clears a build lock left behind by a killed compile (torch would wait on it silently, forever),
+and waits on a live build's lock for a bounded time only."""
 
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from lightning_smartinf.ops import load_op
+from lightning_smartinf.ops import clear_stale_lock, load_op
 
 
 class _Builder:
@@ -17,7 +21,7 @@ class _Builder:
         return "loaded"
 
 
-def test_a_leftover_build_lock_is_named(
+def test_a_lock_no_live_build_holds_is_removed_and_the_op_loads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
@@ -28,6 +32,26 @@ def test_a_leftover_build_lock_is_named(
     (tmp_path / _Builder.NAME).mkdir(exist_ok=True)
     lock = tmp_path / _Builder.NAME / "lock"
     lock.touch()
-    caplog.clear()
-    load_op(_Builder())
-    assert str(lock) in caplog.text and "delete that file" in caplog.text
+    old = time.time() - 60  # left by a build killed a minute ago
+    os.utime(lock, (old, old))
+    started = time.monotonic()
+    assert load_op(_Builder()) == "loaded"
+    assert time.monotonic() - started < 5 and not lock.exists()
+    assert f"removed the build lock {lock}" in caplog.text
+
+
+def test_a_live_builds_lock_is_waited_on_with_a_limit(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A process working in the build directory (as ninja does) holds it: the loader waits, then names the fix."""
+    directory = tmp_path / "op"
+    directory.mkdir()
+    (directory / "lock").touch()
+    builder = subprocess.Popen(["sleep", "30"], cwd=directory)
+    try:
+        with pytest.raises(TimeoutError, match=rf"has not finished in 2 s; stop it, then `rm {directory}/lock`"):
+            clear_stale_lock("op", directory, grace=0.0, patience=2.0)
+        assert "being built by another process" in caplog.text
+    finally:
+        builder.kill()
+        builder.wait()
+    clear_stale_lock("op", directory, grace=0.0)  # its builder gone, the lock goes too
+    assert not (directory / "lock").exists()

@@ -54,8 +54,9 @@ class DeepSpeedCPUAdamKernel:
         step: int,
     ) -> None:
         beta1, beta2 = hyper["betas"]
+        opt_id = self._id(adamw, step, beta1, beta2)
         self._op.adam_update(
-            self._id(adamw, step, beta1, beta2), step, hyper["lr"], beta1, beta2, hyper["eps"], hyper["weight_decay"], True,
+            opt_id, step, hyper["lr"], beta1, beta2, hyper["eps"], hyper["weight_decay"], True,
             master, grad, exp_avg, exp_avg_sq,
         )  # fmt: skip
 
