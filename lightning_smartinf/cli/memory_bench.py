@@ -31,13 +31,15 @@ def make_cgroup(name: str, limit: int) -> Path:
     if v1.is_dir():
         group = v1 / name
         group.mkdir(exist_ok=True)
-        (group / "memory.limit_in_bytes").write_text(str(limit))
         memsw = group / "memory.memsw.limit_in_bytes"
-        if memsw.exists():
-            try:
-                memsw.write_text(str(limit))
-            except OSError:
-                pass
+        # memory+swap may never be below memory alone: raise it first when growing, lower it last when shrinking
+        for path in (memsw, group / "memory.limit_in_bytes", memsw):
+            if path.exists():
+                try:
+                    path.write_text(str(limit))
+                except OSError:
+                    if path.name == "memory.limit_in_bytes":
+                        raise
         return group / "tasks"
     group = CGROUP / name
     group.mkdir(exist_ok=True)

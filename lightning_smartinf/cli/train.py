@@ -5,6 +5,8 @@
     smartinf-train trainer.checkpoint_every_n_steps=50              # crash-safe checkpoints as it goes
     smartinf-train trainer.resume=smartinf_runs/DATE/TIME/checkpoints trainer.max_steps=400
 
+On SIGTERM it saves a checkpoint at the next step and exits 143; trainer.resume continues from it.
+
 It trains, validates, saves a checkpoint, writes a PNG of the loss and traffic curves, and prints where it all went.
 """
 
@@ -20,6 +22,7 @@ import lightning.pytorch as pl
 from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_smartinf.checkpoint.manifest import MANIFEST, latest_checkpoint
@@ -34,6 +37,8 @@ from lightning_smartinf.storage.space import human_bytes
 from lightning_smartinf.strategy import SmartInfinityStrategy
 
 log = logging.getLogger("smartinf-train")
+PREEMPTED = 143
+"""Exit status after a SIGTERM (128 + 15, what a process killed by it reports): the run stopped early, on purpose."""
 
 
 def build_trainer(cfg: TrainConfig, out_dir: Path) -> tuple[pl.Trainer, SmartInfinityStrategy, SmartInfinityMonitor]:
@@ -43,7 +48,7 @@ def build_trainer(cfg: TrainConfig, out_dir: Path) -> tuple[pl.Trainer, SmartInf
     )  # fmt: skip
     monitor = SmartInfinityMonitor()
     t = cfg.trainer
-    callbacks: list[pl.Callback] = [monitor]
+    callbacks: list[pl.Callback] = [monitor, Preemption(out_dir / "checkpoints")]
     if t.checkpoint_every_n_steps:
         every = t.checkpoint_every_n_steps
         callbacks.append(ModelCheckpoint(out_dir / "checkpoints", "step{step}", every_n_train_steps=every,
@@ -99,6 +104,30 @@ class FinalCheckpoint(pl.Callback):
         trainer.save_checkpoint(self.directory / f"step{trainer.global_step}.ckpt", weights_only=False)
 
 
+class Preemption(pl.Callback):
+    """SIGTERM (SLURM and Kubernetes send it before a kill; Lightning stops at the next batch end) saves a
+    checkpoint there, at a step boundary, and the run exits 143 (128 + SIGTERM) naming it, so a scheduler can
+    requeue and ``trainer.resume`` continues exactly. Ctrl-C stops and says how to resume."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.saved: Path | None = None
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, KeyboardInterrupt):
+            log.warning("interrupted: resume from the newest checkpoint with trainer.resume=%s", self.directory)
+            return
+        if not isinstance(exception, SIGTERMException):
+            return
+        engine = trainer.strategy.engine  # type: ignore[attr-defined]
+        if engine is None or engine.micro_batches:
+            log.warning("SIGTERM in the middle of gradient accumulation: no checkpoint could be saved")
+            return
+        self.saved = self.directory / f"step{trainer.global_step}.ckpt"
+        trainer.save_checkpoint(self.saved, weights_only=False)
+        log.warning("SIGTERM: saved %s; resume with trainer.resume=%s", self.saved, self.directory)
+
+
 def resume_path(resume: str | None) -> Path | None:
     """``trainer.resume``: a checkpoint, or a directory whose newest complete checkpoint is taken."""
     if resume is None:
@@ -126,7 +155,11 @@ def run(cfg: TrainConfig, out_dir: Path) -> dict[str, object] | None:
     d = cfg.data
     data = TextDataModule(d.path, d.seq_len, d.batch_size, d.val_percent, d.train_samples, d.val_samples,
                           d.num_workers, cfg.trainer.seed)  # fmt: skip
-    trainer.fit(module, datamodule=data, ckpt_path=resume_path(cfg.trainer.resume))
+    try:
+        trainer.fit(module, datamodule=data, ckpt_path=resume_path(cfg.trainer.resume))
+    except SIGTERMException:
+        strategy.close()
+        raise SystemExit(PREEMPTED) from None
     checkpoint = out_dir / "checkpoints" / f"step{trainer.global_step}.ckpt" if cfg.trainer.save_final else None
     val = trainer.validate(module, datamodule=data, verbose=False)
     metrics_csv = out_dir / "logs" / "metrics.csv"

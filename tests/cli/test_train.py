@@ -60,3 +60,33 @@ def test_two_ranks_train_checkpoint_and_resume(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     resumed = json.loads(next((tmp_path / "resumed").glob("*/summary.json")).read_text())
     assert resumed["summary"]["optimizer_steps"] == 2 and Path(resumed["checkpoint"]).name == "step6.ckpt"
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path: Path) -> None:
+    """As a scheduler preempts: SIGTERM once training runs; the run checkpoints at the next step, exits 143 naming
+    the checkpoint, and trainer.resume continues from it."""
+    import signal
+    import time
+
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "lightning_smartinf.cli.train", "trainer.max_steps=100000",
+           "trainer.val_check_interval=100000", f"trainer.output_dir={runs}", f"offload.nvme_path={tmp_path / 'state'}",
+           "trainer.log_every_n_steps=1"]  # fmt: skip
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        deadline = time.monotonic() + 300
+        while not list(runs.glob("*/logs/metrics.csv")) and time.monotonic() < deadline:  # a few steps logged
+            time.sleep(0.5)
+        time.sleep(2)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 143, out[-3000:]
+    saved = list(runs.glob("*/checkpoints/step*.ckpt"))
+    assert len(saved) == 1 and (saved[0] / "manifest.json").is_file()
+    assert f"SIGTERM: saved {saved[0]}" in out
+    step = int(saved[0].name.removeprefix("step").removesuffix(".ckpt"))
+    resume = [*cmd[:3], f"trainer.max_steps={step + 2}", *cmd[4:], f"trainer.resume={saved[0]}"]
+    resume[resume.index(f"trainer.output_dir={runs}")] = f"trainer.output_dir={tmp_path / 'resumed'}"
+    done = subprocess.run(resume, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed = json.loads(next((tmp_path / "resumed").glob("*/summary.json")).read_text())
+    assert resumed["summary"]["optimizer_steps"] == 2
