@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,20 +56,46 @@ def _block_tensors(manifest: Any, index: int, dtype: torch.dtype) -> Iterator[tu
         yield name, flat[offset : offset + numel].view(shape).to(dtype)
 
 
-def _checkpoint_tensors(manifest: Any, layout: dict[str, Any], extra: dict[str, torch.Tensor],
-                        dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
-    """Every parameter block by block, then their second names (tied weights), then Lightning's part (buffers,
-    frozen parameters), in that order."""
+def _with_aliases(params: Iterable[tuple[str, torch.Tensor]], aliases: dict[str, str],
+                  extra: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    """Every parameter (block by block), then the second names of shared ones, then buffers and frozen
+    parameters: the order ``_plan`` lays them out in."""
     kept: dict[str, torch.Tensor] = {}
-    wanted = set(layout.get("aliases", {}).values())
-    for index in range(len(layout["blocks"])):
-        for name, tensor in _block_tensors(manifest, index, dtype):
-            if name in wanted:
-                kept[name] = tensor
-            yield name, tensor
-    for alias, name in layout.get("aliases", {}).items():
+    wanted = set(aliases.values())
+    for name, tensor in params:
+        if name in wanted:
+            kept[name] = tensor
+        yield name, tensor
+    for alias, name in aliases.items():
         yield alias, kept[name]
     yield from extra.items()
+
+
+def _checkpoint_tensors(manifest: Any, layout: dict[str, Any], extra: dict[str, torch.Tensor],
+                        dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    params = (item for index in range(len(layout["blocks"])) for item in _block_tensors(manifest, index, dtype))
+    return _with_aliases(params, layout.get("aliases", {}), extra)
+
+
+def _plan(params: Iterable[tuple[str, tuple[int, ...]]], aliases: dict[str, str], extra: dict[str, torch.Tensor],
+          dtype: torch.dtype) -> list[Planned]:  # fmt: skip
+    """The export's tensors in ``_with_aliases`` order: floating-point ones in ``dtype``, others as they are."""
+    plan = [Planned(name, dtype, shape) for name, shape in params]
+    shapes = {p.name: p.shape for p in plan}
+    plan += [Planned(alias, dtype, shapes[name]) for alias, name in aliases.items()]
+    plan += [Planned(k, dtype if v.is_floating_point() else v.dtype, tuple(v.shape)) for k, v in extra.items()]
+    return plan
+
+
+def _write(out: Path, plan: list[Planned], tensors: Iterator[tuple[str, torch.Tensor]], max_shard_bytes: int,
+           metadata: dict[str, str], strip_prefix: str) -> list[Path]:  # fmt: skip
+    """``out`` as one .safetensors file, or a directory in save_pretrained's layout; names without ``strip_prefix``."""
+    renamed = [Planned(p.name.removeprefix(strip_prefix), p.dtype, p.shape) for p in plan]
+    stream = ((name.removeprefix(strip_prefix), t) for name, t in tensors)
+    if out.suffix == ".safetensors":
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return [write_file(out, renamed, stream, metadata)]
+    return write_sharded(out, renamed, stream, max_shard_bytes, metadata)
 
 
 def consolidated_state_dict(path: Path, dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], dict]:
@@ -104,12 +130,9 @@ def export_safetensors(checkpoint: Path, out: Path, dtype: str = "bf16", max_sha
     trainer_state = torch.load(manifest.path / TRAINER_STATE, weights_only=False, map_location="cpu")
     extra = dict(trainer_state.get("state_dict", {}))
     target_dtype = DTYPES[dtype]
-    plan = [Planned(name, target_dtype, tuple(shape)) for block in layout["blocks"]
-            for name, _, _, shape in block["params"]]  # fmt: skip
-    shapes = {p.name: p.shape for p in plan}
-    plan += [Planned(alias, target_dtype, shapes[name]) for alias, name in layout.get("aliases", {}).items()]
-    plan += [Planned(k, v.dtype if not v.is_floating_point() else target_dtype, tuple(v.shape))
-             for k, v in extra.items()]  # fmt: skip
+    aliases = layout.get("aliases", {})
+    params = ((name, tuple(shape)) for block in layout["blocks"] for name, _, _, shape in block["params"])
+    plan = _plan(params, aliases, extra, target_dtype)
     hyper = {k: _jsonable(v) for k, v in dict(trainer_state.get("hyper_parameters") or {}).items()}
     metadata = {
         "format": "pt",
@@ -118,14 +141,8 @@ def export_safetensors(checkpoint: Path, out: Path, dtype: str = "bf16", max_sha
         "dtype": dtype,
         "hyper_parameters": json.dumps(hyper, default=str),
     }
-    renamed = [Planned(p.name.removeprefix(strip_prefix), p.dtype, p.shape) for p in plan]
-    tensors = ((name.removeprefix(strip_prefix), t) for name, t in
-               _checkpoint_tensors(manifest, layout, extra, target_dtype))  # fmt: skip
-    if out.suffix == ".safetensors":
-        out.parent.mkdir(parents=True, exist_ok=True)
-        files = [write_file(out, renamed, tensors, metadata)]
-    else:
-        files = write_sharded(out, renamed, tensors, max_shard_bytes, metadata)
+    tensors = _checkpoint_tensors(manifest, layout, extra, target_dtype)
+    files = _write(out, plan, tensors, max_shard_bytes, metadata, strip_prefix)
     numel = sum(math.prod(p.shape) for p in plan)
     return files, numel
 
@@ -138,34 +155,21 @@ def export_live(engine: OffloadEngine, out: Path, dtype: str = "fp32", max_shard
         raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     target = DTYPES[dtype]
     aliases = parameter_aliases(engine)
-    owned = {slot.name for block in engine.layout.blocks for slot in block.slots} | set(aliases)
+    slots = [slot for block in engine.layout.blocks for slot in block.slots]
+    owned = {slot.name for slot in slots} | set(aliases)
     extra = {k: v for k, v in engine.model.state_dict().items() if k not in owned}
-    plan = [Planned(s.name, target, tuple(s.shape)) for b in engine.layout.blocks for s in b.slots]
-    shapes = {p.name: p.shape for p in plan}
-    plan += [Planned(alias, target, shapes[name]) for alias, name in aliases.items()]
-    plan += [Planned(k, target if v.is_floating_point() else v.dtype, tuple(v.shape)) for k, v in extra.items()]
+    plan = _plan(((s.name, tuple(s.shape)) for s in slots), aliases, extra, target)
 
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        kept: dict[str, torch.Tensor] = {}
+    def params() -> Iterator[tuple[str, torch.Tensor]]:
         for block in engine.layout.blocks:
             flat = engine.block_masters(block)
             for slot in block.slots:
-                value = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).to(target)
-                if slot.name in aliases.values():
-                    kept[slot.name] = value
-                yield slot.name, value
-        for alias, name in aliases.items():
-            yield alias, kept[name]
-        yield from extra.items()
+                yield slot.name, flat[slot.offset : slot.offset + slot.numel].view(slot.shape).to(target)
 
-    stream = ((name.removeprefix(strip_prefix), t) for name, t in tensors())
+    tensors = _with_aliases(params(), aliases, extra)
     if not write:
-        for _ in stream:
+        for _ in tensors:
             pass
         return []
-    renamed = [Planned(p.name.removeprefix(strip_prefix), p.dtype, p.shape) for p in plan]
     metadata = {"format": "pt", "global_step": str(engine.step_count), "dtype": dtype}
-    if out.suffix == ".safetensors":
-        out.parent.mkdir(parents=True, exist_ok=True)
-        return [write_file(out, renamed, stream, metadata)]
-    return write_sharded(out, renamed, stream, max_shard_bytes, metadata)
+    return _write(out, plan, tensors, max_shard_bytes, metadata, strip_prefix)

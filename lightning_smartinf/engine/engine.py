@@ -207,8 +207,7 @@ class OffloadEngine:
         on_host = self.device.type == "cpu"
         # the resident block's 16-bit copy, its autograd gradients and the fp32 gradient gathered from them
         resident_bytes = resident.numel * (2 * self.itemsize + 4) if on_host else resident.numel * 4
-        working = max((sum(s.numel * torch.empty((), dtype=s.dtype).element_size() for s in b.slots)
-                       for b in self.layout.blocks), default=0)  # fmt: skip
+        working = max((sum(s.nbytes for s in b.slots) for b in self.layout.blocks), default=0)
         available = host_available_bytes()
         log.info(
             "smart_infinity host memory: buffer pools %s, resident set %s, set-up working set (the largest block in "

@@ -45,7 +45,7 @@ class WeightHandback:
     @property
     def nbytes(self) -> int:
         """Host bytes of every engine-owned parameter in its original dtype."""
-        return sum(s.numel * torch.empty((), dtype=s.dtype).element_size() for s in self.slots)
+        return sum(s.nbytes for s in self.slots)
 
     def resolve(self, mode: str) -> str:
         if mode != "auto":

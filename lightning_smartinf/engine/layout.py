@@ -40,6 +40,11 @@ class ParamSlot:
     dtype: torch.dtype
     """The parameter's dtype in the user's module (the engine computes in the training precision's)."""
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the parameter in its own dtype."""
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
 
 @dataclass
 class Subgroup:
