@@ -11,17 +11,19 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
+from lightning_smartinf.errors import ConfigError
+
 _PLACES = ("nvme", "cpu")
 
 
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"{key}={value!r} is not one of {', '.join(choices)}")
+        raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}")
 
 
 def _check_positive(key: str, value: int, minimum: int = 1) -> None:
     if value < minimum:
-        raise ValueError(f"{key}={value} must be >= {minimum}")
+        raise ConfigError(f"{key}={value} must be >= {minimum}")
 
 
 @dataclass
@@ -71,7 +73,7 @@ class OffloadConfig:
         _check_positive("offload.aio_intra_op_parallelism", self.aio_intra_op_parallelism)
         paths = state_paths(self.nvme_path)
         if len(set(paths)) != len(paths):
-            raise ValueError(f"offload.nvme_path lists a directory twice: {paths}; give each disk once")
+            raise ConfigError(f"offload.nvme_path lists a directory twice: {paths}; give each disk once")
 
     @property
     def paths(self) -> list[str]:
@@ -83,7 +85,7 @@ def state_paths(value: Any) -> list[str]:
     """``offload.nvme_path`` (a directory or a list of them) as a non-empty list of non-empty strings."""
     paths = [value] if isinstance(value, str | Path) else list(value) if isinstance(value, Sequence) else None
     if not paths or not all(isinstance(p, str | Path) and str(p) for p in paths):
-        raise ValueError(
+        raise ConfigError(
             f"offload.nvme_path={value!r}: give a directory for the offloaded state, or a list of directories "
             "(one per disk), e.g. offload.nvme_path=[/mnt/nvme0/run,/mnt/nvme1/run]"
         )
@@ -113,31 +115,31 @@ class UpdateConfig:
             _check_positive("update.devices", self.devices)
         elif isinstance(self.devices, list | tuple) or hasattr(self.devices, "__iter__"):
             if not list(self.devices):
-                raise ValueError("update.devices is an empty list: give a count or at least one device entry")
+                raise ConfigError("update.devices is an empty list: give a count or at least one device entry")
         else:
-            raise ValueError(f"update.devices={self.devices!r}: give a count or a list of {{platform, device, path}}")
+            raise ConfigError(f"update.devices={self.devices!r}: give a count or a list of {{platform, device, path}}")
 
 
 def check_combination(offload: OffloadConfig, update: UpdateConfig, compression: CompressionConfig) -> None:
     """Rules across groups, checked when the strategy is built."""
     if compression.kind != "none":
         if update.backend != "smart":
-            raise ValueError(
+            raise ConfigError(
                 f"compression.kind={compression.kind} needs update.backend=smart: the gradient is decompressed on the "
                 "near-storage device that updates it (the host update reads dense gradients)"
             )
         if offload.grads != "cpu":
-            raise ValueError(
+            raise ConfigError(
                 f"compression.kind={compression.kind} selects from the accumulated gradient on the training side "
                 "before it crosses the host link: set offload.grads=cpu"
             )
         if update.wire != "fp32":
-            raise ValueError(
+            raise ConfigError(
                 f"compression.kind={compression.kind} sends its own 16-bit values (compression.value_dtype) and "
                 "decompresses into fp32 on the device: use update.wire=fp32"
             )
     if update.backend == "smart" and update.wire == "16bit" and offload.grads == "nvme":
-        raise ValueError(
+        raise ConfigError(
             "update.wire=16bit sends gradients as 16-bit from host memory; with offload.grads=nvme they are written "
             "as fp32 straight into the owning device's directory instead: use offload.grads=cpu or update.wire=fp32"
         )
@@ -172,13 +174,13 @@ class CompressionConfig:
         _check_choice("compression.kind", self.kind, ("none", "topk"))
         _check_choice("compression.value_dtype", self.value_dtype, ("bf16", "fp16"))
         if not 0.0 < self.keep <= 1.0:
-            raise ValueError(f"compression.keep={self.keep} must be in (0, 1]: the fraction of elements sent")
+            raise ConfigError(f"compression.keep={self.keep} must be in (0, 1]: the fraction of elements sent")
         _check_positive("compression.block", self.block)
         _check_positive("compression.warmup_steps", self.warmup_steps, 0)
         if self.residual_budget_mb < 0:
-            raise ValueError(f"compression.residual_budget_mb={self.residual_budget_mb} must be >= 0")
+            raise ConfigError(f"compression.residual_budget_mb={self.residual_budget_mb} must be >= 0")
         if self.catch_up and not self.error_feedback:
-            raise ValueError(
+            raise ConfigError(
                 "compression.catch_up=true needs compression.error_feedback=true: the device catches an element up "
                 "from the gradient it accumulated while unsent, which error feedback keeps"
             )
@@ -211,9 +213,9 @@ class ScheduleConfig:
         _check_positive("schedule.micro_batches", self.micro_batches)
         for key in ("checkpoint_host", "checkpoint_nvme", "overlap"):
             if not 0.0 <= getattr(self, key) <= 1.0:
-                raise ValueError(f"schedule.{key}={getattr(self, key)} must be a fraction in [0, 1]")
+                raise ConfigError(f"schedule.{key}={getattr(self, key)} must be a fraction in [0, 1]")
         if self.checkpoint_host + self.checkpoint_nvme > 1.0:
-            raise ValueError("schedule.checkpoint_host + schedule.checkpoint_nvme must not exceed 1")
+            raise ConfigError("schedule.checkpoint_host + schedule.checkpoint_nvme must not exceed 1")
 
 
 T = TypeVar("T")
@@ -230,6 +232,6 @@ def coerce(cls: type[T], value: T | dict[str, Any] | None, group: str) -> T:
         known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
         unknown = sorted(set(mapping.keys()) - known)
         if unknown:
-            raise ValueError(f"unknown {group} keys {unknown}; valid keys: {sorted(known)}")
+            raise ConfigError(f"unknown {group} keys {unknown}; valid keys: {sorted(known)}")
         return cls(**dict(mapping.items()))
     raise TypeError(f"{group}= takes a dict or a {cls.__name__}, got {type(value).__name__}")

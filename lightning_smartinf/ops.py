@@ -13,8 +13,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lightning_smartinf.errors import SetupError
+
 log = logging.getLogger(__name__)
 
+
+
+class BuildLockTimeout(SetupError, TimeoutError):
+    """A live build of a DeepSpeed op held its lock longer than we wait."""
 
 def _build_directory(name: str) -> Path:
     from torch.utils.cpp_extension import _get_build_directory
@@ -64,7 +70,7 @@ def clear_stale_lock(name: str, directory: Path, grace: float = 10.0, patience: 
             log.warning("DeepSpeed's %s op is being built by another process (lock %s): waiting for it", name, lock)
             warned = True
         if time.monotonic() - started > patience:
-            raise TimeoutError(
+            raise BuildLockTimeout(
                 f"DeepSpeed's {name} op: the build holding {lock} has not finished in {patience:.0f} s; stop it, then "
                 f"`rm {lock}` and run again"
             )

@@ -18,6 +18,8 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_smartinf.errors import ConfigError
+
 if TYPE_CHECKING:
     from lightning_smartinf.engine.engine import OffloadEngine
 
@@ -27,7 +29,7 @@ PARAM_DTYPES = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixe
 class SmartInfinityPrecision(Precision):
     def __init__(self, precision: str, device_type: str) -> None:
         if precision not in PARAM_DTYPES:
-            raise ValueError(
+            raise ConfigError(
                 f"smart_infinity supports precision {', '.join(PARAM_DTYPES)}; Trainer(precision={precision!r}) "
                 "is not one of them"
             )
@@ -84,7 +86,7 @@ class SmartInfinityPrecision(Precision):
         if clip_val <= 0 or self.engine is None:
             return
         if gradient_clip_algorithm != GradClipAlgorithmType.NORM:
-            raise ValueError(
+            raise ConfigError(
                 "smart_infinity clips by the global gradient norm only: use gradient_clip_algorithm='norm'"
             )
         self.engine.clip_norm = float(clip_val)

@@ -47,6 +47,7 @@ from lightning_smartinf.checkpoint.manifest import (
     ENGINE_STATE,
     MANIFEST,
     TRAINER_STATE,
+    CheckpointError,
     CheckpointWriter,
     Manifest,
     verify_checkpoint,
@@ -63,6 +64,7 @@ from lightning_smartinf.config import (
 from lightning_smartinf.engine.engine import OffloadEngine
 from lightning_smartinf.engine.planning import block_flops, memory_budget, update_rate, workload_of
 from lightning_smartinf.engine.snapshot import engine_nbytes, load_engine_state, save_engine_state
+from lightning_smartinf.errors import ConfigError
 from lightning_smartinf.meta import meta_parameters
 from lightning_smartinf.monitor import SmartInfinityMonitor
 from lightning_smartinf.precision import SmartInfinityPrecision
@@ -249,7 +251,7 @@ class SmartInfinityStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if len(self.optimizers) != 1:
-                raise ValueError(
+                raise ConfigError(
                     f"smart_infinity drives exactly one optimizer; configure_optimizers returned {len(self.optimizers)}"
                 )
         if self.engine is not None and self.optimizers and self.engine.optimizer is None:
@@ -286,13 +288,13 @@ class SmartInfinityStrategy(ParallelStrategy):
         checkpoints may go to host memory or storage), else its own training_step parked at every block."""
         assert self.engine is not None
         if trainer.accumulate_grad_batches != 1:
-            raise ValueError(
+            raise ConfigError(
                 "schedule=vertical accumulates over schedule.micro_batches inside each batch: leave "
                 f"accumulate_grad_batches at 1 (got {trainer.accumulate_grad_batches})"
             )
         self.engine.overlap = s.overlap
         if s.eager_update and (trainer.gradient_clip_val or self.engine.scaler is not None):
-            raise ValueError(
+            raise ConfigError(
                 "schedule.eager_update starts block updates before backward ends, so it cannot honour "
                 "gradient_clip_val or fp16 loss scaling (both need the global gradient norm first): turn one off"
             )
@@ -412,7 +414,7 @@ class SmartInfinityStrategy(ParallelStrategy):
                 opened = (None, f"{type(err).__name__}: {err}")
         staging, failure = self.broadcast(opened)
         if staging is None:
-            raise RuntimeError(f"rank 0 could not start checkpoint {target}: {failure}")
+            raise CheckpointError(f"rank 0 could not start checkpoint {target}: {failure}")
         part = writer or CheckpointWriter(target, sizes[self.global_rank], staging=staging)
         result: tuple[Any, Any, str | None] = (None, None, None)
         try:
@@ -425,7 +427,8 @@ class SmartInfinityStrategy(ParallelStrategy):
         failures = [r[2] for r in results if r[2] is not None]
         with part:
             if failures:
-                raise RuntimeError(f"checkpoint {target} not written; the previous one is kept: {'; '.join(failures)}")
+                kept = "; the previous one is kept"
+                raise CheckpointError(f"checkpoint {target} not written{kept}: {'; '.join(failures)}")
             manifest = None
             if writer is not None:
                 writer.write(TRAINER_STATE, trainer_state)
@@ -469,7 +472,7 @@ class SmartInfinityStrategy(ParallelStrategy):
         )  # fmt: skip
         saved_world = manifest.meta.get("world_size", 1)
         if saved_world != self.world_size:
-            raise ValueError(
+            raise ConfigError(
                 f"checkpoint {manifest.path} holds the state of {saved_world} rank(s), partitioned for that many; "
                 f"this run has {self.world_size}: resume with devices x num_nodes = {saved_world}"
             )

@@ -37,8 +37,10 @@ def test_unwritable_path(tmp_path: Path) -> None:
 def test_path_under_a_file_is_a_clear_error(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(OSError, match="cannot be created"):
+    with pytest.raises(OSError, match=r"lies under .*file', which is a regular file, not a directory"):
         fit(make_module(), SmartInfinityStrategy(offload={"nvme_path": str(blocker / "s")}), max_steps=1)
+    with pytest.raises(OSError, match=r"/file' is a regular file, not a directory: point offload.nvme_path"):
+        fit(make_module(), SmartInfinityStrategy(offload={"nvme_path": str(blocker)}), max_steps=1)
 
 
 def test_not_enough_space_fails_before_writing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from lightning_smartinf.bench.systems import NAMES
+from lightning_smartinf.errors import ConfigError
 
 GB = 1e9
 
@@ -64,7 +65,7 @@ class Hardware:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"unknown hardware keys {unknown}; valid: {', '.join(sorted(known))}")
+            raise ConfigError(f"unknown hardware keys {unknown}; valid: {', '.join(sorted(known))}")
         return cls(**values)
 
 

@@ -20,6 +20,7 @@ import torch
 from lightning_smartinf.checkpoint.manifest import ENGINE_STATE, TRAINER_STATE, CheckpointError, verify_checkpoint
 from lightning_smartinf.checkpoint.shards import Planned, write_file, write_sharded
 from lightning_smartinf.engine.snapshot import parameter_aliases
+from lightning_smartinf.errors import ConfigError
 
 if TYPE_CHECKING:
     from lightning_smartinf.engine.engine import OffloadEngine
@@ -124,7 +125,7 @@ def export_safetensors(checkpoint: Path, out: Path, dtype: str = "bf16", max_sha
     ``strip_prefix`` turns the LightningModule's names into the library model's (``model.`` for an HF model held
     as ``self.model``). The metadata carries the module's hyper-parameters when it saved them."""
     if dtype not in DTYPES:
-        raise ValueError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+        raise ConfigError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     manifest = verify_checkpoint(checkpoint)
     layout = _parts(manifest)[0][0]
     trainer_state = torch.load(manifest.path / TRAINER_STATE, weights_only=False, map_location="cpu")
@@ -152,7 +153,7 @@ def export_live(engine: OffloadEngine, out: Path, dtype: str = "fp32", max_shard
     """The trained weights of a live engine, as ``export_safetensors`` writes them, read block by block from its
     masters (a collective under data parallelism: every rank calls it, ``write`` on one)."""
     if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+        raise ConfigError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     target = DTYPES[dtype]
     aliases = parameter_aliases(engine)
     slots = [slot for block in engine.layout.blocks for slot in block.slots]

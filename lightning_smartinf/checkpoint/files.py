@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from lightning_smartinf.errors import StorageError
 from lightning_smartinf.storage.aligned import ALIGNMENT, aligned_bytes
 from lightning_smartinf.storage.io import bytes_view
 from lightning_smartinf.storage.space import human_bytes
@@ -31,7 +32,7 @@ class FileRecord:
     sha256: str
 
 
-class DiskFullError(OSError):
+class DiskFullError(StorageError):
     """No room for a checkpoint or state file; the message names the path, the bytes needed and the bytes free."""
 
 
@@ -43,11 +44,13 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(probe).free
 
 
-def disk_full(path: Path, needed: int, what: str) -> DiskFullError:
+def disk_full(path: Path, needed: int, what: str, kept: Path | None = None) -> DiskFullError:
+    """``kept``: the newest complete checkpoint beside ``path``, which the failed save left as it was."""
+    after = f" ({kept} is untouched)" if kept is not None else " (no earlier checkpoint exists there)"
     return DiskFullError(
         errno.ENOSPC,
         f"disk full: {what} at {path} needs {human_bytes(needed)} and {human_bytes(free_bytes(path))} are free; "
-        "free space or write it elsewhere (the last complete checkpoint is untouched)",
+        f"free space or write it elsewhere{after}",
     )
 
 

@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from lightning_smartinf.checkpoint.files import (
     hash_file,
     write_chunks,
 )
+from lightning_smartinf.errors import SmartInfError
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -45,7 +47,7 @@ VERSION = 1
 COPY_THREADS = 4
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(SmartInfError, RuntimeError):
     """A path that is not a complete smart_infinity checkpoint."""
 
 
@@ -63,6 +65,12 @@ class Manifest:
     @property
     def nbytes(self) -> int:
         return sum(r.nbytes for r in self.files.values())
+
+
+def _newest_published(directory: Path) -> Path | None:
+    """The published checkpoint (a directory with a manifest) under ``directory`` written last, for messages."""
+    published = [d for d in directory.iterdir() if not d.name.startswith(".") and (d / MANIFEST).is_file()]
+    return max(published, key=lambda d: (d / MANIFEST).stat().st_mtime, default=None)
 
 
 def _staging_name(target: Path) -> Path:
@@ -107,11 +115,11 @@ class CheckpointWriter:
         self.owner = staging is None
         if staging is None:
             self.target.parent.mkdir(parents=True, exist_ok=True)
-            self._clean_stale_staging()
+            _clean_leftovers(self.target.parent, recover=False)
             staging = _staging_name(self.target)
             _remove(staging)
             if free_bytes(self.target.parent) < nbytes:
-                raise disk_full(self.target, nbytes, "the checkpoint")
+                raise disk_full(self.target, nbytes, "the checkpoint", _newest_published(self.target.parent))
             staging.mkdir()
         self.staging = staging
         self.files: dict[str, FileRecord] = {}
@@ -120,14 +128,6 @@ class CheckpointWriter:
         self._directories: set[Path] = {self.staging}
         self._started = time.perf_counter()
         self.seconds = 0.0
-
-    def _clean_stale_staging(self) -> None:
-        """Drop unfinished staging directories of runs that died mid-save (complete ones are left for recovery)."""
-        for stale in self.target.parent.glob(".*.partial-*"):
-            pid = stale.name.rsplit("-", 1)[-1]
-            if pid.isdigit() and not _pid_alive(int(pid)) and not (stale / MANIFEST).is_file():
-                log.info("removing %s, left by a save that was interrupted", stale)
-                _remove(stale)
 
     def _destination(self, relative: str) -> Path:
         path = self.staging / relative
@@ -148,7 +148,8 @@ class CheckpointWriter:
             return work()
         except OSError as err:
             if err.errno in FULL_ERRNOS:
-                raise disk_full(self.target, self.nbytes, "the checkpoint") from err
+                kept = _newest_published(self.target.parent)
+                raise disk_full(self.target, self.nbytes, "the checkpoint", kept) from err
             raise
 
     def finish(self) -> dict[str, FileRecord]:
@@ -243,6 +244,20 @@ def _recover(target: Path) -> None:
         return
 
 
+_HASHED: dict[tuple[str, int, int, int], str] = {}
+"""SHA-256 of the files this process has hashed, by (path, size, mtime, inode): choosing the checkpoint to resume
+from and then loading it read each file once, not twice (for a large model, that is most of the resume time)."""
+
+
+def _sha256(file: Path, stat: os.stat_result) -> str:
+    key = (str(file), stat.st_size, stat.st_mtime_ns, stat.st_ino)
+    if key not in _HASHED:
+        if len(_HASHED) > 1 << 16:
+            _HASHED.clear()
+        _HASHED[key] = hash_file(file).sha256
+    return _HASHED[key]
+
+
 def verify_checkpoint(path: Path, select: Callable[[str], bool] | None = None) -> Manifest:
     """The checkpoint's manifest, after checking every file's size and SHA-256 (or those ``select`` keeps: a rank
     checks its own slice, not the others'); raises naming each bad file."""
@@ -258,11 +273,11 @@ def verify_checkpoint(path: Path, select: Callable[[str], bool] | None = None) -
         file = path / relative
         if not file.is_file():
             return f"{relative}: missing"
-        size = file.stat().st_size
-        if size != record.nbytes:
-            change = "truncated" if size < record.nbytes else "grown"
-            return f"{relative}: {change} ({size} bytes, {record.nbytes} written)"
-        if hash_file(file).sha256 != record.sha256:
+        stat = file.stat()
+        if stat.st_size != record.nbytes:
+            change = "truncated" if stat.st_size < record.nbytes else "grown"
+            return f"{relative}: {change} ({stat.st_size} bytes, {record.nbytes} written)"
+        if _sha256(file, stat) != record.sha256:
             return f"{relative}: contents altered (SHA-256 mismatch)"
         return None
 
@@ -272,30 +287,70 @@ def verify_checkpoint(path: Path, select: Callable[[str], bool] | None = None) -
             if problem:
                 problems.append(problem)
     if problems:
-        listed = "\n  ".join(problems)
         raise CheckpointCorruptError(
-            f"checkpoint {path} is damaged and was not loaded:\n  {listed}\nresume from another checkpoint"
+            f"checkpoint {path} is damaged and was not loaded: {'; '.join(problems)}; resume from another checkpoint"
         )
     return manifest
 
 
-def latest_checkpoint(directory: Path) -> Path | None:
-    """The complete checkpoint under ``directory`` with the highest step (by manifest), or None."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return None
-    for hidden in directory.glob(".*.*-*"):  # a save killed between its renames
+def _step_of(entry: Path, manifest: Manifest | None) -> tuple[int, float]:
+    """Sort key of a candidate: its step (from the manifest, else from a ``stepN`` name) and its time."""
+    if manifest is not None:
+        return int(manifest.meta.get("global_step", 0)), manifest.created
+    digits = re.search(r"step(\d+)", entry.name)
+    return (int(digits.group(1)) if digits else -1), entry.stat().st_mtime
+
+
+def _clean_leftovers(directory: Path, recover: bool = True) -> None:
+    """Staging and replaced directories of saves whose process is gone: with ``recover``, a checkpoint that a kill
+    left under such a name is first put back (``_recover``) and every other one removed; without (a new save
+    starting), only the unfinished ones (no manifest) are removed."""
+    for hidden in directory.glob(".*.*-*"):
         name, _, suffix = hidden.name[1:].rpartition(".")
-        if suffix.split("-")[0] in ("partial", "replaced") and not (directory / name).exists():
-            _recover(directory / name)
-    best: tuple[int, float, Path] | None = None
-    for entry in directory.iterdir():
-        if entry.name.startswith(".") or not (entry / MANIFEST).is_file():
+        kind, _, pid = suffix.partition("-")
+        if kind not in ("partial", "replaced") or not pid.isdigit():
             continue
+        if recover and not (directory / name).exists():
+            _recover(directory / name)
+        if hidden.exists() and not _pid_alive(int(pid)) and (recover or not (hidden / MANIFEST).is_file()):
+            log.warning("removing %s, left by a save of %s whose process (%s) is gone", hidden, name, pid)
+            _remove(hidden)
+
+
+def choose_checkpoint(directory: Path) -> tuple[Manifest | None, list[tuple[Path, str]]]:
+    """The newest complete and intact checkpoint under ``directory`` (every file's hash checked), and each newer
+    candidate that was skipped with the reason: a missing or altered manifest, a missing, truncated or altered
+    file. Leftovers of killed saves are recovered or removed first; a directory with no manifest (a save or a
+    removal that was killed) is reported, never deleted. Each skip is logged as a warning."""
+    directory = Path(directory).absolute()
+    if not directory.is_dir():
+        return None, []
+    _clean_leftovers(directory)
+    candidates: list[tuple[tuple[int, float], Path, Manifest | None, str]] = []
+    for entry in directory.iterdir():
+        if entry.name.startswith(".") or not entry.is_dir():
+            continue
+        manifest, reason = None, ""
         try:
             manifest = _read_manifest(entry)
-        except CheckpointError:
-            continue
-        key = (int(manifest.meta.get("global_step", 0)), manifest.created, entry)
-        best = key if best is None or key[:2] > best[:2] else best
-    return best[2] if best else None
+        except CheckpointError as err:
+            reason = str(err)
+        candidates.append((_step_of(entry, manifest), entry, manifest, reason))
+    skipped: list[tuple[Path, str]] = []
+    for _, entry, manifest, reason in sorted(candidates, key=lambda c: c[0], reverse=True):
+        if manifest is not None:
+            try:
+                return verify_checkpoint(entry), skipped
+            except CheckpointError as err:
+                reason = str(err)
+        log.warning("skipping %s, newer than any intact checkpoint here: %s", entry, " ".join(reason.split()))
+        skipped.append((entry, reason))
+    return None, skipped
+
+
+def latest_checkpoint(directory: Path) -> Path | None:
+    """The newest complete and intact checkpoint under ``directory`` (``choose_checkpoint``), or None."""
+    chosen, skipped = choose_checkpoint(directory)
+    if chosen is not None and skipped:
+        log.warning("resuming from %s, the newest intact checkpoint (%d newer skipped)", chosen.path, len(skipped))
+    return chosen.path if chosen is not None else None

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from lightning_smartinf.engine.pretrained import INDEX, SINGLE
+from lightning_smartinf.errors import ConfigError
 
 CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -116,7 +117,10 @@ def parse_size(text: str | int) -> int:
         return text
     units: dict[str, Callable[[float], float]] = {"KB": lambda n: n * 1e3, "MB": lambda n: n * 1e6,
                                                    "GB": lambda n: n * 1e9, "B": lambda n: n}  # fmt: skip
-    for unit, scale in units.items():
-        if text.upper().endswith(unit):
-            return int(scale(float(text[: -len(unit)])))
-    return int(text)
+    try:
+        for unit, scale in units.items():
+            if text.upper().endswith(unit):
+                return int(scale(float(text[: -len(unit)])))
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"max shard size {text!r} is not a size: give bytes or a number with KB, MB or GB") from None

@@ -13,12 +13,11 @@ Every file of the checkpoint is verified against its manifest first. Load the re
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from lightning_smartinf.checkpoint.export import DTYPES, export_safetensors
-from lightning_smartinf.checkpoint.manifest import CheckpointError
 from lightning_smartinf.checkpoint.shards import parse_size
+from lightning_smartinf.cli.report import reporting
 from lightning_smartinf.storage.space import human_bytes
 
 
@@ -30,11 +29,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-shard-size", default="2GB", help="largest file of a directory export (default 2GB)")
     parser.add_argument("--strip-prefix", default="", help="drop this from every name (model. for an HF model)")
     args = parser.parse_args(argv)
-    try:
+    with reporting("smartinf-export"):
         files, numel = export_safetensors(args.checkpoint, args.out, args.dtype, parse_size(args.max_shard_size),
                                           args.strip_prefix)  # fmt: skip
-    except (CheckpointError, FileNotFoundError, ValueError) as err:
-        sys.exit(f"smartinf-export: {err}")
     size = sum(f.stat().st_size for f in files)
     where = files[0] if len(files) == 1 else f"{args.out} ({len(files)} shards and model.safetensors.index.json)"
     print(f"wrote {where}: {numel:,} values in {args.dtype}, {human_bytes(size)}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import warnings
 from pathlib import Path
 
 import hydra
@@ -25,11 +26,13 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_smartinf.checkpoint.manifest import MANIFEST, latest_checkpoint
+from lightning_smartinf.checkpoint.manifest import MANIFEST, choose_checkpoint
 from lightning_smartinf.cli.config import TrainConfig, register_configs
 from lightning_smartinf.cli.plots import plot_run
+from lightning_smartinf.cli.report import reporting
 from lightning_smartinf.data.corpus import TextDataModule
 from lightning_smartinf.engine.snapshot import engine_nbytes
+from lightning_smartinf.errors import ConfigError, MissingPathError, StorageError
 from lightning_smartinf.models.gpt import GPTModule
 from lightning_smartinf.monitor import SmartInfinityMonitor
 from lightning_smartinf.resources import asset_dir
@@ -94,7 +97,7 @@ class FinalCheckpoint(pl.Callback):
             probe = probe.parent
         free = shutil.disk_usage(probe).free
         if needed > free:
-            raise OSError(
+            raise StorageError(
                 f"the checkpoint at the end of training needs {human_bytes(needed)} under {self.directory} and "
                 f"{human_bytes(free)} is free: free space, set trainer.output_dir to a larger disk, or turn the "
                 "final checkpoint off with trainer.save_final=false"
@@ -129,34 +132,52 @@ class Preemption(pl.Callback):
 
 
 def resume_path(resume: str | None) -> Path | None:
-    """``trainer.resume``: a checkpoint, or a directory whose newest complete checkpoint is taken."""
+    """``trainer.resume``: a checkpoint (which must be intact), or a directory of them, whose newest complete and
+    intact checkpoint is taken; each newer one skipped is logged with the reason (docs/checkpoints.md)."""
     if resume is None:
         return None
     path = Path(resume).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"trainer.resume={resume!r} does not exist")
+        raise MissingPathError(f"trainer.resume={resume!r} does not exist: give a checkpoint or a directory of them")
+    if not path.is_dir():
+        raise MissingPathError(f"trainer.resume={resume!r} is a regular file; a checkpoint is a directory "
+                               "(stepN.ckpt/ with a manifest.json), or give the directory that holds them")  # fmt: skip
     if (path / MANIFEST).is_file():
         return path
-    found = latest_checkpoint(path)
+    found, skipped = choose_checkpoint(path)  # it logs each checkpoint it skips, and why
     if found is None:
-        raise FileNotFoundError(f"trainer.resume={resume!r} holds no complete smart_infinity checkpoint")
-    log.info("resuming from %s", found)
-    return found
+        damaged = f" ({len(skipped)} damaged or unfinished, listed above)" if skipped else ""
+        raise MissingPathError(f"trainer.resume={resume!r} holds no complete and intact smart_infinity checkpoint"
+                               f"{damaged}")  # fmt: skip
+    (log.warning if skipped else log.info)("resuming from %s", found.path)
+    return found.path
+
+
+def check_batch(cfg: TrainConfig) -> None:
+    """A vertical schedule splits each batch into micro-batches: say so before set-up writes anything."""
+    s, batch = cfg.schedule, cfg.data.batch_size
+    if s.kind == "vertical" and batch % s.micro_batches:
+        raise ConfigError(f"data.batch_size={batch} does not split into schedule.micro_batches={s.micro_batches}: "
+                          "make the batch size a multiple of it")  # fmt: skip
 
 
 def run(cfg: TrainConfig, out_dir: Path) -> dict[str, object] | None:
     """Train, validate, checkpoint and plot; return the paths and the summary (on rank 0; None on the others)."""
+    check_batch(cfg)
+    resume = resume_path(cfg.trainer.resume)
     pl.seed_everything(cfg.trainer.seed, workers=True)
     o = cfg.optim
     trainer, strategy, monitor = build_trainer(cfg, out_dir)
-    with trainer.init_module(empty_init=True):  # on meta: the engine initializes it block by block into storage
-        module = GPTModule(cfg.model.shape(), lr=o.lr, weight_decay=o.weight_decay, betas=(o.betas[0], o.betas[1]),
-                           warmup_steps=o.warmup_steps, optimizer=o.name)  # fmt: skip
+    with warnings.catch_warnings():  # Lightning warns of any strategy with a model_sharded_context; ours does both
+        warnings.filterwarnings("ignore", "`trainer.init_module` cannot fully support")
+        with trainer.init_module(empty_init=True):  # on meta: the engine initializes it block by block into storage
+            module = GPTModule(cfg.model.shape(), lr=o.lr, weight_decay=o.weight_decay, betas=(o.betas[0], o.betas[1]),
+                               warmup_steps=o.warmup_steps, optimizer=o.name)  # fmt: skip
     d = cfg.data
     data = TextDataModule(d.path, d.seq_len, d.batch_size, d.val_percent, d.train_samples, d.val_samples,
                           d.num_workers, cfg.trainer.seed)  # fmt: skip
     try:
-        trainer.fit(module, datamodule=data, ckpt_path=resume_path(cfg.trainer.resume))
+        trainer.fit(module, datamodule=data, ckpt_path=resume)
     except SIGTERMException:
         strategy.close()
         raise SystemExit(PREEMPTED) from None
@@ -182,13 +203,14 @@ def run(cfg: TrainConfig, out_dir: Path) -> dict[str, object] | None:
 
 @hydra.main(version_base=None, config_path=str(asset_dir("conf")), config_name="config")
 def _main(raw: DictConfig) -> None:
-    cfg: TrainConfig = OmegaConf.to_object(raw)  # type: ignore[assignment]
-    out_dir = Path(HydraConfig.get().runtime.output_dir)
-    result = run(cfg, out_dir)
+    with reporting("smartinf-train"):
+        cfg: TrainConfig = OmegaConf.to_object(raw)  # type: ignore[assignment]
+        out_dir = Path(HydraConfig.get().runtime.output_dir)
+        result = run(cfg, out_dir)
     if result is None:
         return
     print(f"\nvalidation loss: {result['val_loss']:.4f} nats/byte")
-    print(f"checkpoint:      {result['checkpoint']}")
+    print(f"checkpoint:      {result['checkpoint'] or 'none written (no training step ran)'}")
     print(f"offloaded state: {result['state_dir']}")
     print(f"metrics:         {result['metrics']}")
     print(f"plot:            {result['plot']}")

@@ -26,6 +26,7 @@ import torch
 
 from lightning_smartinf.config import CompressionConfig
 from lightning_smartinf.engine.layout import Layout, Subgroup
+from lightning_smartinf.errors import ConfigError
 from lightning_smartinf.update.base import StepContext
 
 VALUE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -106,7 +107,7 @@ class TopKCompressor:
         for name, mine in (("residual", self._residuals), ("squares", self._squares)):
             saved = state.get(name, {})
             if saved.keys() != mine.keys():
-                raise ValueError(
+                raise ConfigError(
                     f"the checkpoint's error-feedback {name} belong to another layout or another "
                     "compression.catch_up setting"
                 )

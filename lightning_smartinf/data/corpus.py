@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from lightning_smartinf.errors import ConfigError, MissingPathError
+
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".json", ".c", ".h", ".html", ".csv", ".yaml", ".yml", ".toml"}
 
 
@@ -34,10 +36,10 @@ def collect_files(path: str | None) -> tuple[Path, list[Path]]:
     if root.is_file():
         return root.parent, [root]
     if not root.is_dir():
-        raise FileNotFoundError(f"data.path={path!r} is neither a file nor a directory")
+        raise MissingPathError(f"data.path={path!r} is neither a file nor a directory")
     files = sorted(f for f in root.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
     if not files:
-        raise FileNotFoundError(f"data.path={path!r} holds no text files ({', '.join(sorted(TEXT_SUFFIXES))})")
+        raise MissingPathError(f"data.path={path!r} holds no text files ({', '.join(sorted(TEXT_SUFFIXES))})")
     return root, files
 
 
@@ -62,7 +64,7 @@ class TokenWindows(Dataset[torch.Tensor]):
 
     def __init__(self, tokens: np.ndarray, seq_len: int, num_samples: int, seed: int) -> None:
         if len(tokens) <= seq_len + 1:
-            raise ValueError(f"the corpus split has {len(tokens)} tokens, fewer than data.seq_len + 2 = {seq_len + 2}")
+            raise ConfigError(f"the corpus split has {len(tokens)} tokens, fewer than data.seq_len + 2 = {seq_len + 2}")
         self.tokens, self.seq_len = tokens, seq_len
         self.offsets = np.random.default_rng(seed).integers(0, len(tokens) - seq_len - 1, size=num_samples)
 

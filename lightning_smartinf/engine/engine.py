@@ -30,6 +30,7 @@ from lightning_smartinf.engine.materialize import Materializer
 from lightning_smartinf.engine.params import ParamStreamer
 from lightning_smartinf.engine.partition import Partition
 from lightning_smartinf.engine.pretrained import PretrainedSource
+from lightning_smartinf.errors import ConfigError, HostMemoryError
 from lightning_smartinf.memory import host_available_bytes
 from lightning_smartinf.schedule.horizontal import find_blocks, unwrap_blocks, wrap_blocks
 from lightning_smartinf.storage.aligned import align_up, aligned_bytes, typed_view
@@ -130,7 +131,7 @@ class OffloadEngine:
 
         block_list = find_blocks(model)
         if not block_list:
-            raise ValueError(
+            raise ConfigError(
                 f"smart_infinity found no repeated blocks to stream in {type(model).__name__} (no nn.ModuleList with "
                 "parameters): define offload_blocks() on the LightningModule, returning the (name, module) pairs of "
                 "its layers, e.g. [(f'model.layers.{i}', layer) for i, layer in enumerate(self.model.layers)]"
@@ -216,7 +217,7 @@ class OffloadEngine:
             human_bytes(available), " + ".join(human_bytes(n) for n in disk),
         )  # fmt: skip
         if resident_bytes + working > available:
-            raise MemoryError(
+            raise HostMemoryError(
                 f"smart_infinity needs {human_bytes(resident_bytes + working)} of host memory beyond its buffer pools "
                 f"({human_bytes(self.host_memory_bytes)}, allocated): the resident set (embeddings, head, norms: "
                 f"{human_bytes(resident_bytes)}) and set-up's largest block ({human_bytes(working)}), but "
@@ -230,7 +231,7 @@ class OffloadEngine:
             kernel = load_cpu_adam(update.host_adam) if rule.name in ("adam", "adamw") else None
             return HostUpdater(rule, disk, self.layout.max_subgroup_numel, self.cfg.step_lookahead, kernel)
         if update.wire == "16bit" and self.param_dtype == torch.float32:
-            raise ValueError("update.wire=16bit needs a 16-bit training precision (bf16-mixed or 16-mixed)")
+            raise ConfigError("update.wire=16bit needs a 16-bit training precision (bf16-mixed or 16-mixed)")
         wire = self.param_dtype if update.wire == "16bit" else torch.float32
         layout = self.layout
         specs = [dataclasses.replace(s, path=str(rank_path(s.path, layout.rank, layout.world))) if s.path else s

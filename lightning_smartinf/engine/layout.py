@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from lightning_smartinf.errors import ConfigError
+
 ELEMENT_ALIGN = 2048
 
 
@@ -134,15 +136,15 @@ def build_layout(
     for gi, group in enumerate(param_groups):
         for p in group:
             if id(p) in group_of:
-                raise ValueError("a parameter appears in two optimizer param groups")
+                raise ConfigError("a parameter appears in two optimizer param groups")
             group_of[id(p)] = gi
     names = {id(p): n for n, p in model.named_parameters()}
     for pid in group_of:
         if pid not in names:
-            raise ValueError("the optimizer holds a parameter that is not in the LightningModule")
+            raise ConfigError("the optimizer holds a parameter that is not in the LightningModule")
     missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in group_of]
     if missing:
-        raise ValueError(
+        raise ConfigError(
             f"parameters {missing[:5]}{'...' if len(missing) > 5 else ''} require gradients but are not in the "
             "optimizer: pass them to the optimizer, or freeze them with requires_grad_(False) before fit"
         )

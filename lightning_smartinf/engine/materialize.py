@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from lightning_smartinf.engine.layout import Block, ParamSlot
+from lightning_smartinf.errors import ConfigError
 
 if TYPE_CHECKING:
     from lightning_smartinf.engine.pretrained import PretrainedSource
@@ -55,7 +56,7 @@ class Materializer:
             owner = owners(self.model, [p])
             if not owner or not all(callable(getattr(m, "reset_parameters", None)) for m in owner):
                 kind = type(owner[0]).__name__ if owner else "?"
-                raise ValueError(
+                raise ConfigError(
                     f"parameter {name} was built on the meta device (trainer.init_module(empty_init=True) or "
                     f"configure_model) and its module ({kind}) has no reset_parameters(): give it a value with "
                     "init_from=PATH (pretrained safetensors), or define init_weights(self, module) on the "
@@ -95,7 +96,7 @@ class Materializer:
                     module.reset_parameters()  # type: ignore[operator]
         for slot in metas:
             if slot.param.is_floating_point() and bool(torch.isnan(slot.param).any()):
-                raise ValueError(
+                raise ConfigError(
                     f"the init route left parameter {slot.name} without a value (NaN): make init_weights(module) "
                     "or reset_parameters() set every parameter of the modules it handles"
                 )

@@ -18,11 +18,12 @@ import torch
 import torch.distributed as dist
 
 from lightning_smartinf.engine.layout import Block, Layout
+from lightning_smartinf.errors import SmartInfError
 
 T = TypeVar("T")
 
 
-class PeerLostError(RuntimeError):
+class PeerLostError(SmartInfError, RuntimeError):
     """Another rank stopped taking part in the collectives (died, was killed, or hangs)."""
 
 

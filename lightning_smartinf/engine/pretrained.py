@@ -22,6 +22,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from lightning_smartinf.errors import ConfigError
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -31,7 +33,7 @@ WIDENS = {(torch.float16, torch.float32), (torch.bfloat16, torch.float32), (torc
           (torch.bfloat16, torch.float64), (torch.float32, torch.float64)}  # fmt: skip
 
 
-class PretrainedError(ValueError):
+class PretrainedError(ConfigError):
     """A pretrained file or directory that cannot initialize this module; the message names file and tensor."""
 
 

@@ -19,6 +19,7 @@ import torch
 
 from lightning_smartinf.checkpoint.files import copy_file
 from lightning_smartinf.checkpoint.manifest import COPY_THREADS, CheckpointWriter, Manifest
+from lightning_smartinf.errors import ConfigError
 
 if TYPE_CHECKING:
     from lightning_smartinf.engine.engine import OffloadEngine
@@ -82,6 +83,33 @@ def _signature(engine: OffloadEngine) -> dict[str, Any]:
     }
 
 
+def signature_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """What differs between a checkpoint's signature and this engine's, in the user's terms (empty: they match)."""
+    found = []
+    if saved["optimizer"] != current["optimizer"]:
+        found.append(f"optimizer {saved['optimizer']} (this run: {current['optimizer']})")
+    if saved["state_directories"] != current["state_directories"]:
+        found.append(f"{saved['state_directories']} state directories, one per update device or offload.nvme_path "
+                     f"entry (this run: {current['state_directories']})")  # fmt: skip
+    old, new = saved["layout"], current["layout"]
+    old_params = {p[0]: p[3] for b in old["blocks"] for p in b["params"]}
+    new_params = {p[0]: p[3] for b in new["blocks"] for p in b["params"]}
+    if old_params != new_params:
+        changed = sorted(n for n in old_params.keys() & new_params.keys() if old_params[n] != new_params[n])
+        only_old = sorted(old_params.keys() - new_params.keys())
+        only_new = sorted(new_params.keys() - old_params.keys())
+        parts = [f"{n} {old_params[n]} (this run: {new_params[n]})" for n in changed[:3]]
+        if only_old:
+            parts.append(f"{len(only_old)} parameter(s) this model lacks, e.g. {only_old[0]}")
+        if only_new:
+            parts.append(f"no values for {len(only_new)} parameter(s) of this model, e.g. {only_new[0]}")
+        found.append("another model: " + ", ".join(parts))
+    elif old != new:
+        found.append(f"{len(old['subgroups'])} subgroups (this run: {len(new['subgroups'])}): another "
+                     "offload.subgroup_size or another parameter order")  # fmt: skip
+    return found
+
+
 def engine_nbytes(engine: OffloadEngine) -> int:
     """Bytes ``save_engine_state`` writes."""
     compressor = engine.compressor
@@ -110,10 +138,11 @@ def save_engine_state(engine: OffloadEngine, writer: CheckpointWriter, prefix: s
 def load_engine_state(engine: OffloadEngine, manifest: Manifest, prefix: str, meta: dict[str, Any]) -> None:
     """Restore a verified checkpoint's engine state (written by ``save_engine_state`` under ``prefix``, which
     returned ``meta``)."""
-    if meta["signature"] != _signature(engine):
-        raise ValueError(
-            f"checkpoint {manifest.path} was written for another model, optimizer, offload.subgroup_size or number "
-            "of update devices; resume with the configuration it was saved with"
+    differences = signature_differences(meta["signature"], _signature(engine))
+    if differences:
+        raise ConfigError(
+            f"checkpoint {manifest.path} was written with another configuration: {'; '.join(differences)}; resume "
+            "with the configuration it was saved with"
         )
     engine.wait_step()
     root = manifest.path / prefix

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
+from lightning_smartinf.errors import ConfigError
 from lightning_smartinf.meta import building_on_meta
 
 
@@ -42,9 +43,9 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
-            raise ValueError(f"model.n_embd={self.n_embd} must be divisible by model.n_head={self.n_head}")
+            raise ConfigError(f"model.n_embd={self.n_embd} must be divisible by model.n_head={self.n_head}")
         if self.vocab_size < 256:
-            raise ValueError(f"model.vocab_size={self.vocab_size} must be >= 256 for byte-level tokens")
+            raise ConfigError(f"model.vocab_size={self.vocab_size} must be >= 256 for byte-level tokens")
 
     def num_params(self) -> int:
         d, layer_bias = self.n_embd, (13 if self.bias else 0)
@@ -157,7 +158,7 @@ class GPTModule(pl.LightningModule):
         with safe_open(str(path), "pt") as f:
             hyper = json.loads((f.metadata() or {}).get("hyper_parameters", "{}"))
         if "model" not in hyper:
-            raise ValueError(f"{path} has no GPT hyper-parameters: build the GPTModule yourself and load_state_dict")
+            raise ConfigError(f"{path} has no GPT hyper-parameters: build the GPTModule yourself and load_state_dict")
         module = cls(**{**hyper, "model": GPTConfig(**hyper["model"])})
         module.load_state_dict(load_file(str(path)))
         return module
@@ -220,7 +221,7 @@ class GPTModule(pl.LightningModule):
         elif self.optimizer_name == "adagrad":
             opt = torch.optim.Adagrad(params, lr=self.lr, weight_decay=self.weight_decay)
         else:
-            raise ValueError(f"optim.name={self.optimizer_name!r} is not one of adamw, adam, sgd, adagrad")
+            raise ConfigError(f"optim.name={self.optimizer_name!r} is not one of adamw, adam, sgd, adagrad")
         if not self.warmup_steps:
             return opt
         warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / self.warmup_steps))

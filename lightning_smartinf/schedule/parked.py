@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils import _pytree as pytree
 
+from lightning_smartinf.errors import ConfigError
 from lightning_smartinf.schedule.calls import (
     Flat,
     RecomputeState,
@@ -74,7 +75,7 @@ def split_batch(batch: Any, micro_batches: int) -> list[Any]:
         )
     size = sizes.pop()
     if size % micro_batches:
-        raise ValueError(
+        raise ConfigError(
             f"schedule=vertical: batch of {size} does not split into schedule.micro_batches={micro_batches}; make the "
             "DataLoader batch size a multiple of it"
         )

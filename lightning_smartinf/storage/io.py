@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from lightning_smartinf.config import OffloadConfig
+from lightning_smartinf.errors import ConfigError, SetupError, ShortReadError, StorageError
 from lightning_smartinf.ops import load_op
 from lightning_smartinf.storage.aligned import ALIGNMENT, Allocator, PageAligned, align_up, aligned_bytes
 
@@ -128,16 +129,16 @@ def supports_o_direct(directory: Path) -> bool:
         probe.unlink(missing_ok=True)
 
 
-def io_error(err: OSError, action: str, path: Path, nbytes: int) -> OSError:
+def io_error(err: OSError, action: str, path: Path, nbytes: int) -> StorageError:
     """``err`` restated with what was being done: ``action`` ("writing"/"reading"), the bytes and the path, the
     errno by name, and for a full disk what to do."""
     name = errno.errorcode.get(err.errno or 0, "error")
     hint = ": free space there or point offload.nvme_path at a larger disk" if err.errno == errno.ENOSPC else ""
-    return type(err)(err.errno, f"{action} {nbytes} bytes {'to' if action == 'writing' else 'from'} {path} "
+    return StorageError(err.errno, f"{action} {nbytes} bytes {'to' if action == 'writing' else 'from'} {path} "
                                 f"failed: {err.strerror or err} ({name}){hint}")  # fmt: skip
 
 
-class ShortTransfer(OSError):
+class ShortTransfer(StorageError):
     """A read or write that moved fewer bytes than asked, already named with its path and counts."""
 
 
@@ -153,7 +154,9 @@ def check_readable(path: Path, nbytes: int) -> None:
     except OSError as err:
         raise io_error(err, "reading", path, nbytes) from err
     if size < nbytes:
-        raise EOFError(f"reading {nbytes} bytes from {path}: the file holds only {size} (truncated or never written)")
+        raise ShortReadError(
+            f"reading {nbytes} bytes from {path}: the file holds only {size} (truncated or never written)"
+        )
 
 
 class _QueuedBackend:
@@ -197,11 +200,13 @@ class ThreadPoolIO(_QueuedBackend):
                 while done < len(view):
                     n = os.preadv(fd, [view[done:]], done)
                     if n == 0:
-                        raise EOFError(f"reading {len(view)} bytes from {path}: the file ends at {done} bytes "
+                        raise ShortReadError(f"reading {len(view)} bytes from {path}: the file ends at {done} bytes "
                                        "(truncated or never written)")  # fmt: skip
                     done += n
             finally:
                 os.close(fd)
+        except StorageError:  # already names the path and bytes
+            raise
         except OSError as err:
             raise io_error(err, "reading", path, len(view)) from err
 
@@ -219,6 +224,8 @@ class ThreadPoolIO(_QueuedBackend):
             finally:
                 os.close(fd)
         except ShortTransfer:
+            raise
+        except StorageError:  # already names the path and bytes
             raise
         except OSError as err:
             raise io_error(err, "writing", path, len(view)) from err
@@ -316,7 +323,7 @@ class DeepSpeedAIO(_QueuedBackend):
         # the op checks no byte count, and a read past a file's end aborts the process in C++: check first
         check_readable(path, buffer.numel())
         if self._handle().sync_pread(buffer, str(path)) < 0:
-            raise OSError(errno.EIO, f"reading {buffer.numel()} bytes from {path} failed in DeepSpeed's aio (EIO)")
+            raise StorageError(errno.EIO, f"reading {buffer.numel()} bytes from {path} failed in DeepSpeed's aio (EIO)")
 
     def _write(self, path: Path, buffer: torch.Tensor) -> None:
         """The op reports no byte count (a write to a full disk "succeeds" short), so the file's blocks are
@@ -325,7 +332,7 @@ class DeepSpeedAIO(_QueuedBackend):
         nbytes = buffer.numel()
         reserve(path, nbytes)
         if self._handle().sync_pwrite(buffer, str(path)) < 0:
-            raise OSError(errno.EIO, f"writing {nbytes} bytes to {path} failed in DeepSpeed's aio (EIO)")
+            raise StorageError(errno.EIO, f"writing {nbytes} bytes to {path} failed in DeepSpeed's aio (EIO)")
         try:
             size = path.stat().st_size
         except OSError as err:
@@ -343,6 +350,8 @@ def reserve(path: Path, nbytes: int) -> None:
                 os.posix_fallocate(fd, 0, nbytes)
         finally:
             os.close(fd)
+    except StorageError:  # already names the path and bytes
+        raise
     except OSError as err:
         raise io_error(err, "writing", path, nbytes) from err
 
@@ -368,14 +377,14 @@ def make_backend(
             directory,
         )
         if kind == "aio":
-            raise ValueError(f"offload.io_backend=aio needs O_DIRECT, which {directory} does not support")
+            raise ConfigError(f"offload.io_backend=aio needs O_DIRECT, which {directory} does not support")
         return ThreadPoolIO(threads, direct=False)
     if kind in ("auto", "aio"):
         try:
             return DeepSpeedAIO(directory, threads, intra_op_parallelism, block_size, queue_depth)
         except Exception as err:  # noqa: BLE001 - the op may fail to compile; fall back unless it was demanded
             if kind == "aio":
-                raise RuntimeError(f"offload.io_backend=aio but DeepSpeed's async_io op did not load: {err}") from err
+                raise SetupError(f"offload.io_backend=aio but DeepSpeed's async_io op did not load: {err}") from err
             log.warning("DeepSpeed async_io op unavailable (%s); using the thread-pool backend", err)
     return ThreadPoolIO(threads, direct=True)
 

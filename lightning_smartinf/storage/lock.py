@@ -17,11 +17,13 @@ import sys
 import time
 from pathlib import Path
 
+from lightning_smartinf.errors import SetupError
+
 log = logging.getLogger(__name__)
 LOCK_NAME = ".smartinf.lock"
 
 
-class StateDirectoryBusyError(RuntimeError):
+class StateDirectoryBusyError(SetupError):
     """Another live run holds the state directory."""
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from lightning_smartinf.errors import SetupError
 from lightning_smartinf.ops import load_op
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,6 @@ def load_cpu_adam(choice: str) -> DeepSpeedCPUAdamKernel | None:
         return DeepSpeedCPUAdamKernel()
     except Exception as err:  # noqa: BLE001 - the op may fail to compile on this machine
         if choice == "deepspeed":
-            raise RuntimeError(f"update.host_adam=deepspeed but DeepSpeed's cpu_adam op did not load: {err}") from err
+            raise SetupError(f"update.host_adam=deepspeed but DeepSpeed's cpu_adam op did not load: {err}") from err
         log.warning("DeepSpeed cpu_adam op unavailable (%s); the host update uses torch's Adam", err)
         return None

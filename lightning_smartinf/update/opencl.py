@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from lightning_smartinf.errors import SetupError
 from lightning_smartinf.resources import asset_dir
 
 KERNEL_SOURCE = "optimizers.cl"
@@ -72,13 +73,13 @@ def find_device(spec: DeviceSpec) -> Any:
     """The OpenCL device of ``spec``, or an error listing what exists and how to get more."""
     platforms = [p for p in _platforms() if spec.platform.lower() in p.name.lower()]
     if not platforms:
-        raise RuntimeError(
+        raise SetupError(
             f"update=smart: no OpenCL platform matching {spec.platform!r}; found: {describe_platforms()}. "
             f"To run the kernels on this machine's CPU, {INSTALL_HINT}"
         )
     devices = platforms[0].get_devices()
     if not 0 <= spec.device < len(devices):
-        raise RuntimeError(
+        raise SetupError(
             f"update=smart: platform {platforms[0].name!r} has {len(devices)} device(s), index {spec.device} does not "
             f'exist. PoCL exposes more CPU devices with POCL_DEVICES="{" ".join(["pthread"] * (spec.device + 1))}"'
         )
@@ -100,7 +101,7 @@ def build_program(context: Any, device: Any, grad_dtype: torch.dtype, param_dtyp
         try:
             return cl.Program(context, [device], [data]).build()
         except cl.Error as err:
-            raise RuntimeError(
+            raise SetupError(
                 f"update=smart: the kernel binary {binary} does not load on {device.name!r} (built for another device "
                 f"or platform?): {err}"
             ) from err
@@ -108,4 +109,4 @@ def build_program(context: Any, device: Any, grad_dtype: torch.dtype, param_dtyp
     try:
         return cl.Program(context, source).build(options=options)
     except cl.Error as err:
-        raise RuntimeError(f"update=smart: {source_name} failed to build on {device.name!r}:\n{err}") from err
+        raise SetupError(f"update=smart: {source_name} failed to build on {device.name!r}:\n{err}") from err

@@ -17,6 +17,8 @@ from torch.optim import adam as adam_fn
 from torch.optim import adamw as adamw_fn
 from torch.optim import sgd as sgd_fn
 
+from lightning_smartinf.errors import ConfigError
+
 SUPPORTED = "torch.optim.Adam, AdamW, SGD (with or without momentum) and Adagrad"
 LAST_STEP = "last_step"
 """Catch-up's extra per-element state: the optimizer step the element last moved at."""
@@ -46,7 +48,7 @@ def rule_for(optimizer: Optimizer) -> OptimizerRule:
     groups = optimizer.param_groups
     for flag in ("amsgrad", "maximize", "differentiable", "capturable"):
         if any(g.get(flag, False) for g in groups):
-            raise ValueError(f"{type(optimizer).__name__}({flag}=True) is not supported by smart_infinity")
+            raise ConfigError(f"{type(optimizer).__name__}({flag}=True) is not supported by smart_infinity")
     if isinstance(optimizer, AdamW):
         return OptimizerRule("adamw", (StateSpec("exp_avg", 0.0), StateSpec("exp_avg_sq", 0.0)))
     if isinstance(optimizer, Adam):
@@ -59,7 +61,7 @@ def rule_for(optimizer: Optimizer) -> OptimizerRule:
     if isinstance(optimizer, Adagrad):
         inits = {g["initial_accumulator_value"] for g in groups}
         if len(inits) > 1:
-            raise ValueError("Adagrad param groups with different initial_accumulator_value are not supported")
+            raise ConfigError("Adagrad param groups with different initial_accumulator_value are not supported")
         return OptimizerRule("adagrad", (StateSpec("sum", float(inits.pop())),))
     raise TypeError(f"smart_infinity supports {SUPPORTED}; configure_optimizers returned {type(optimizer).__name__}")
 
@@ -67,7 +69,7 @@ def rule_for(optimizer: Optimizer) -> OptimizerRule:
 def with_catch_up(rule: OptimizerRule) -> OptimizerRule:
     """The rule SmartComp's catch-up runs on the devices: Adam's state plus the step each element last moved."""
     if rule.name not in ("adam", "adamw"):
-        raise ValueError(
+        raise ConfigError(
             f"compression.catch_up=true runs Adam's update on the devices; the optimizer is {rule.name}: use "
             "torch.optim.Adam or AdamW, or set compression.catch_up=false"
         )

@@ -26,6 +26,7 @@ import torch
 from lightning_smartinf.compress.topk import VALUE_DTYPES, SparseGradient, TopKCompressor, max_nnz
 from lightning_smartinf.config import CompressionConfig
 from lightning_smartinf.engine.layout import Layout, Subgroup
+from lightning_smartinf.errors import ConfigError
 from lightning_smartinf.storage.aligned import Allocator, align_up, aligned_bytes, typed_view
 from lightning_smartinf.storage.counters import READ, WRITE, TrafficCounters
 from lightning_smartinf.storage.store import FileStore, RoutedStore
@@ -306,7 +307,7 @@ def device_specs(devices: Any) -> list[DeviceSpec]:
     for entry in devices:
         unknown = sorted(set(entry) - {"platform", "device", "path", "binary"})
         if unknown:
-            raise ValueError(f"update.devices entry has unknown keys {unknown}; valid: platform, device, path, binary")
+            raise ConfigError(f"update.devices entry has unknown keys {unknown}; valid: platform, device, path, binary")
         specs.append(DeviceSpec(**dict(entry)))
     ensure_pocl_devices(max(s.device for s in specs) + 1)
     return specs

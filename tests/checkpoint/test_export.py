@@ -42,10 +42,14 @@ def test_bf16_export(checkpoint, tmp_path: Path) -> None:
     assert all(torch.equal(p.detach(), masters[k].bfloat16().float()) for k, p in module.named_parameters())
 
 
-def test_export_refuses_a_damaged_checkpoint_naming_the_file(checkpoint, tmp_path: Path) -> None:
+def test_export_refuses_a_damaged_checkpoint_naming_the_file(checkpoint, tmp_path: Path, capsys) -> None:
     path, _ = checkpoint
     victim = next((path / "offload").rglob("sg000001"))
     victim.write_bytes(victim.read_bytes()[:100])
-    with pytest.raises(SystemExit, match=rf"{victim.relative_to(path)}: truncated \(100 bytes"):
+    with pytest.raises(SystemExit) as done:
         export_main([str(path), str(tmp_path / "m.safetensors")])
+    assert done.value.code == 1
+    message = capsys.readouterr().err
+    assert message.startswith("smartinf-export: error: checkpoint ")
+    assert f"{victim.relative_to(path)}: truncated (100 bytes" in message
     assert not (tmp_path / "m.safetensors").exists()

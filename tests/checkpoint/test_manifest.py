@@ -140,3 +140,79 @@ def test_real_full_filesystem(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         assert verify_checkpoint(previous).meta["global_step"] == 1
     finally:
         os.system(f"umount {mount}")
+
+
+def test_disk_full_says_whether_an_earlier_checkpoint_is_kept(tmp_path: Path) -> None:
+    with pytest.raises(DiskFullError, match="no earlier checkpoint exists there"):
+        CheckpointWriter(tmp_path / "a.ckpt", 2**60)
+    previous = write_checkpoint(tmp_path / "a.ckpt", 1)
+    with pytest.raises(DiskFullError, match=rf"\({previous.absolute()} is untouched\)"):
+        CheckpointWriter(tmp_path / "b.ckpt", 2**60)
+
+
+def _alter_file(ckpt: Path) -> None:
+    data = ckpt / "offload/state0/master/sg000000"
+    data.write_bytes(b"y" + data.read_bytes()[1:])
+
+
+def _alter_manifest(ckpt: Path) -> None:
+    raw = json.loads((ckpt / "manifest.json").read_text())
+    raw["meta"]["global_step"] = 99
+    (ckpt / "manifest.json").write_text(json.dumps(raw))
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (_alter_file, "contents altered"),
+        (lambda ckpt: (ckpt / "offload/state0/master/sg000000").unlink(), "sg000000: missing"),
+        (lambda ckpt: (ckpt / "manifest.json").unlink(), "no manifest.json"),
+        (_alter_manifest, "manifest.json is altered"),
+    ],
+)
+def test_resume_folder_falls_back_to_the_newest_intact_checkpoint_for_every_damage(
+    tmp_path: Path, damage, reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One rule: the newest complete and intact checkpoint, each newer one skipped loudly with its reason."""
+    sources = tmp_path / "sources"
+    sources.mkdir()
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+    for step in (2, 4, 6):
+        write_checkpoint(ckpts / f"step{step}.ckpt", step, sources=sources)
+    damage(ckpts / "step6.ckpt")
+    chosen, skipped = manifest.choose_checkpoint(ckpts)
+    assert chosen is not None and chosen.meta["global_step"] == 4
+    assert [(p.name, reason in why) for p, why in skipped] == [("step6.ckpt", True)]
+    assert any("skipping" in r.message and "step6.ckpt" in r.message and r.levelname == "WARNING"
+               for r in caplog.records)  # fmt: skip
+    assert latest_checkpoint(ckpts) == ckpts / "step4.ckpt"
+    assert (ckpts / "step6.ckpt").is_dir()  # reported, never deleted
+
+
+def test_resume_folder_cleans_what_killed_saves_left(tmp_path: Path) -> None:
+    """Dead processes' staging and replaced directories go (after recovery took what it could); a live one's stay."""
+    kept = write_checkpoint(tmp_path / "step2.ckpt", 2)
+    dead_unfinished = tmp_path / ".step4.ckpt.partial-999999999"
+    (dead_unfinished / "offload").mkdir(parents=True)
+    dead_complete = write_checkpoint(tmp_path / "staged", 2)  # complete, but its target was published since
+    os.rename(dead_complete, tmp_path / ".step2.ckpt.partial-999999998")
+    live = tmp_path / f".step6.ckpt.partial-{os.getpid()}"
+    live.mkdir()
+    chosen, skipped = manifest.choose_checkpoint(tmp_path)
+    assert chosen is not None and chosen.path == kept.absolute() and skipped == []
+    assert sorted(p.name for p in tmp_path.glob(".*")) == [live.name]
+
+
+def test_a_checkpoint_verified_once_is_not_hashed_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Choosing the checkpoint to resume from and then loading it read its files once; a changed file is read."""
+    target = write_checkpoint(tmp_path / "a.ckpt", 1)
+    verify_checkpoint(target)
+    calls: list[Path] = []
+    real = manifest.hash_file
+    monkeypatch.setattr(manifest, "hash_file", lambda path: calls.append(path) or real(path))
+    verify_checkpoint(target)
+    assert calls == []
+    _alter_file(target)
+    with pytest.raises(CheckpointCorruptError, match="contents altered"):
+        verify_checkpoint(target)

@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.checkpoint import CheckpointCorruptError, latest_checkpoint
+from lightning_smartinf.errors import ConfigError
 
 CASES = {
     "host-vertical-overlap": ({"update": {"host_adam": "torch"}, "schedule": {"kind": "vertical", "micro_batches": 2,
@@ -76,3 +77,17 @@ def test_resume_from_a_mid_run_save_with_the_default_optimizer(tmp_path: Path) -
     mid = next(p for p in (tmp_path / "split" / "ckpts").iterdir() if p.name.endswith("step=6.ckpt"))
     got = train(tmp_path / "resumed", 10, settings, "32-true", resume=mid, samples=8)
     assert all(torch.equal(got[name], expected[name]) for name in expected)
+
+
+def test_resume_with_another_configuration_names_what_differs(tmp_path: Path) -> None:
+    settings, precision = CASES["host-fp16-loss-scaling"]
+    train(tmp_path / "first", 2, settings, precision)
+    checkpoint = latest_checkpoint(tmp_path / "first" / "ckpts")
+    strategy = SmartInfinityStrategy(offload={"nvme_path": str(tmp_path / "state2"), "subgroup_size": 4096,
+                                              "io_backend": "threads"}, **settings)  # fmt: skip
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=4, precision=precision,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"another configuration: optimizer adamw \(this run: sgd\)"):
+        trainer.fit(make_module("sgd"), token_loader(samples=16), ckpt_path=checkpoint)
+    strategy.close()
