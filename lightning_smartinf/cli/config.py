@@ -68,6 +68,10 @@ class TrainerConfig:
     """Also checkpoint every this many steps (keeping the newest); 0: only at the end."""
     resume: str | None = None
     """A checkpoint to resume from, or a directory of them (its newest complete one is taken)."""
+    trace: str | None = None
+    """Write a Chrome/Perfetto trace of ``trace_iterations`` iterations (from the third) to this path and log where
+    the time went (docs/trace.md); relative paths land in the run's directory."""
+    trace_iterations: int = 2
 
 
 @dataclass

@@ -38,6 +38,7 @@ from lightning_smartinf.monitor import SmartInfinityMonitor
 from lightning_smartinf.resources import asset_dir
 from lightning_smartinf.storage.space import human_bytes
 from lightning_smartinf.strategy import SmartInfinityStrategy
+from lightning_smartinf.timeline import Trace
 
 log = logging.getLogger("smartinf-train")
 PREEMPTED = 143
@@ -56,6 +57,8 @@ def build_trainer(cfg: TrainConfig, out_dir: Path) -> tuple[pl.Trainer, SmartInf
         every = t.checkpoint_every_n_steps
         callbacks.append(ModelCheckpoint(out_dir / "checkpoints", "step{step}", every_n_train_steps=every,
                                          auto_insert_metric_name=False))  # fmt: skip
+    if t.trace:
+        callbacks.append(Trace(out_dir / t.trace, start=2, iterations=t.trace_iterations))
     if t.save_final:
         callbacks.append(FinalCheckpoint(out_dir / "checkpoints", keep=2 if t.checkpoint_every_n_steps else 1))
     trainer = pl.Trainer(

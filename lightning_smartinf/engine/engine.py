@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_smartinf import trace
 from lightning_smartinf.compress.topk import TopKCompressor
 from lightning_smartinf.config import CompressionConfig, OffloadConfig, UpdateConfig
 from lightning_smartinf.engine.grads import GradientAccumulator
@@ -297,20 +298,24 @@ class OffloadEngine:
 
     # -- the schedule's hooks (BlockRunner) ------------------------------------------------------------------------
     def enter_block(self, index: int, backward: bool) -> None:
-        self.params.fetch(index)
+        with trace.span(f"fetch {index}", "wait", block=index):
+            self.params.fetch(index)
         step = -1 if backward else 1
         for ahead in range(1, self.cfg.prefetch + 1):
             self.params.prefetch(index + step * ahead)
+        trace.begin(("block", index))
 
     def exit_block(self, index: int, backward: bool) -> None:
+        trace.end(("block", index), f"{'backward' if backward else 'forward'} {index}", "compute", block=index)
         self.params.release(index)
 
     def collect_block_grads(self, index: int) -> None:
         block = self.layout.blocks[index]
-        flat = typed_view(self._grad_flat, torch.float32, block.numel)
-        self._gather_grads(block.slots, flat)
-        self.partition.reduce_block(flat, block)
-        self.grads.add_block(block, flat)
+        with trace.span(f"grads {index}", "grads", block=index):
+            flat = typed_view(self._grad_flat, torch.float32, block.numel)
+            self._gather_grads(block.slots, flat)
+            self.partition.reduce_block(flat, block)
+            self.grads.add_block(block, flat)
         self._stream_block(index)
 
     @staticmethod
@@ -335,10 +340,12 @@ class OffloadEngine:
         """Move the resident block's gradients (accumulated by autograd on the params) into the gradient store."""
         resident = self.layout.resident
         if resident.numel:
+            trace.begin("resident grads")
             flat = torch.zeros(resident.numel, dtype=torch.float32)
             self._gather_grads(resident.slots, flat)
             self.partition.reduce_block(flat, resident)
             self.grads.add_block(resident, flat)
+            trace.end("resident grads", "grads resident", "grads")
         if self._eager is not None:
             self._eager_norm = float(self.partition.global_norm(self.grads.global_norm()))
         self._stream_block(0)
@@ -367,6 +374,10 @@ class OffloadEngine:
 
     def step(self) -> StepResult:
         """Apply one optimizer step to every subgroup (or skip it on fp16 overflow), then reset the gradients."""
+        with trace.span("optimizer step", "step", overlap=self.overlap):
+            return self._step()
+
+    def _step(self) -> StepResult:
         if self.updater is None or self.optimizer is None:
             raise RuntimeError("this engine was built without an optimizer")
         if self._eager is not None:  # the update has been running since backward began
@@ -442,9 +453,10 @@ class OffloadEngine:
 
     def _wait_overlapped(self) -> None:
         must_finish = (1.0 - self.overlap) * self.layout.local_numel
-        with self._progress:
+        with trace.span("wait for the step's non-overlapped share", "wait"), self._progress:
             self._progress.wait_for(lambda: self._done_elements >= must_finish or self.params.failure is not None)
-        self.params.ready[0].wait()  # the resident layers run first and outside the block hooks
+        with trace.span("wait for the resident update", "wait"):
+            self.params.ready[0].wait()  # the resident layers run first and outside the block hooks
         self._raise_failure()
         self.params.gather_resident()
 

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils import _pytree as pytree
 
+from lightning_smartinf import trace
 from lightning_smartinf.ecosystem.caches import is_kv_cache
 
 
@@ -100,7 +101,7 @@ def recompute(
     its forward's RNG and autocast ``state``. Returns the copies (their ``.grad`` is the inputs' gradient once the
     outputs are backpropagated) and the output tensors."""
     tensors = [x.detach().requires_grad_(x.requires_grad) for x in saved]
-    with state.forked():
+    with trace.span("recompute", "recompute"), state.forked():
         with state.replay(), torch.enable_grad():
             outputs = flatten(call(fn, inputs, tensors), "a block's output").tensors
     return tensors, outputs

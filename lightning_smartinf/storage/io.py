@@ -28,6 +28,7 @@ from lightning_smartinf.config import OffloadConfig
 from lightning_smartinf.errors import ConfigError, SetupError, ShortReadError, StorageError
 from lightning_smartinf.ops import load_op
 from lightning_smartinf.storage.aligned import ALIGNMENT, Allocator, PageAligned, align_up, aligned_bytes
+from lightning_smartinf.trace import traced_io
 
 log = logging.getLogger(__name__)
 
@@ -172,10 +173,12 @@ class _QueuedBackend:
         raise NotImplementedError
 
     def read(self, path: Path, buffer: torch.Tensor, urgent: bool = False) -> Future[None]:
-        return self._requests.submit(lambda: self._read(path, buffer), urgent)
+        work = traced_io(lambda: self._read(path, buffer), "read", path, buffer.numel(), urgent)
+        return self._requests.submit(work, urgent)
 
     def write(self, path: Path, buffer: torch.Tensor) -> Future[None]:
-        return self._requests.submit(lambda: self._write(path, buffer), urgent=False)
+        work = traced_io(lambda: self._write(path, buffer), "write", path, buffer.numel(), False)
+        return self._requests.submit(work, urgent=False)
 
     def close(self) -> None:
         self._requests.close()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_smartinf import trace
 from lightning_smartinf.engine.layout import Subgroup
 from lightning_smartinf.storage.aligned import BufferPool, align_up, typed_view
 from lightning_smartinf.storage.store import FileStore, StripedStore
@@ -115,9 +116,12 @@ class HostUpdater:
             nxt = next(upcoming, None)
             if nxt is not None:
                 queue.append((self._load(nxt, first), grads.fetch(nxt)))
-            for read in loaded.reads:
-                read.result()
-            self._apply(loaded, grad_future.result(), ctx)
+            with trace.span(f"wait for {loaded.sg.key}'s state and gradient", "wait"):
+                for read in loaded.reads:
+                    read.result()
+                grad = grad_future.result()
+            with trace.span(f"update {loaded.sg.key}", "update", elements=loaded.sg.numel):
+                self._apply(loaded, grad, ctx)
             grads.release(loaded.sg)
             self._write_back(loaded, writes)
             yield loaded.sg, loaded.tensor(MASTER)

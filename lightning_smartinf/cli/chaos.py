@@ -1,0 +1,196 @@
+"""``smartinf-chaos``: kill ``smartinf-train`` at random moments, resume it each time, and compare the end result
+bit for bit with an uninterrupted run.
+
+    smartinf-chaos --kills 20                                  # gpt_tiny, CLI defaults, 40 steps, saves every 2
+    smartinf-chaos --kills 10 --steps 60 --every 4 -- update=smart schedule=vertical schedule.micro_batches=2
+
+One reference run trains ``--steps`` steps straight through. Then a chaos run on its own state and checkpoint
+directories is started, SIGKILLed after a random delay (one in five during start-up, set-up and restore, the rest
+spread over the steps still to run, so kills land in steps, saves and checkpoint removals too), and restarted with
+``trainer.resume`` on its checkpoint directory, ``--kills`` times; a last restart runs to the end. A chain of runs
+that reaches the last step is compared with the reference and a new chain starts from nothing.
+
+Reported: kills (by what the run was doing), resumes (restarts that found a checkpoint), exact (chains whose final
+fp32 weights equal the reference's bit for bit), lost (kills after which the newest intact checkpoint was older
+than before), corrupt (published checkpoints that fail verification, plus checkpoints a resume had to skip).
+Needs no GPU; not part of the test suite (minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from lightning_smartinf.checkpoint.export import consolidated_state_dict
+from lightning_smartinf.checkpoint.manifest import MANIFEST, CheckpointError, latest_checkpoint, verify_checkpoint
+
+SET_UP = "smart_infinity storage backend"
+"""A line the engine logs once its storage is set up: start-up ends there."""
+START_UP_SHARE = 0.2
+
+
+@dataclass
+class ChaosReport:
+    kills: int = 0
+    resumes: int = 0
+    chains: int = 0
+    """Runs from a fresh start to the last step, each through any number of kills and resumes."""
+    exact_chains: int = 0
+    """Chains whose final fp32 weights equal the uninterrupted run's bit for bit."""
+    lost: int = 0
+    corrupt: int = 0
+    skipped: int = 0
+    """Restarts' skipped checkpoints (damaged or unfinished ones passed over by the resume rule)."""
+    reference_s: float = 0.0
+    startup_s: float = 0.0
+    """Of the reference run: until its engine is set up (imports, storage, initial values)."""
+    phases: dict[str, int] = field(default_factory=dict)
+    """Kills by what the run was doing: start-up, restore, train, save."""
+    steps_at_kill: list[int] = field(default_factory=list)
+
+
+def train_command(out: Path, state: Path, steps: int, every: int, extra: list[str], resume: bool) -> list[str]:
+    cmd = [sys.executable, "-m", "lightning_smartinf.cli.train", f"hydra.run.dir={out}",
+           f"offload.nvme_path={state}", f"trainer.max_steps={steps}", f"trainer.checkpoint_every_n_steps={every}",
+           f"trainer.val_check_interval={steps}", "trainer.limit_val_batches=1", *extra]  # fmt: skip
+    return [*cmd, f"trainer.resume={out / 'checkpoints'}"] if resume else cmd
+
+
+def newest_step(directory: Path) -> int:
+    """The step of the newest intact checkpoint under ``directory`` (-1: none)."""
+    found = latest_checkpoint(directory) if directory.is_dir() else None
+    if found is None:
+        return -1
+    return int(json.loads((found / MANIFEST).read_text())["meta"].get("global_step", 0))
+
+
+def final_weights(out: Path, steps: int) -> dict[str, torch.Tensor]:
+    return consolidated_state_dict(out / "checkpoints" / f"step{steps}.ckpt")[0]
+
+
+def same_weights(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> bool:
+    return expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def count_corrupt(directory: Path) -> int:
+    """Published checkpoints (a manifest is present) that fail verification."""
+    bad = 0
+    for entry in directory.iterdir() if directory.is_dir() else []:
+        if entry.name.startswith(".") or not (entry / MANIFEST).is_file():
+            continue
+        try:
+            verify_checkpoint(entry)
+        except CheckpointError:
+            bad += 1
+    return bad
+
+
+def phase(log: str, ckpts: Path, pid: int) -> str:
+    """What a run was doing when killed: saving (its staging directory exists), restoring (resuming, the state not
+    yet restored), starting up (before any step), or training."""
+    if list(ckpts.glob(f".*.partial-{pid}")) or list(ckpts.glob(f".*.replaced-{pid}")):
+        return "save"
+    if "resuming from" in log and "restored the offloaded state" not in log:
+        return "restore"
+    return "train" if SET_UP in log else "start-up"
+
+
+def campaign(root: Path, kills: int, steps: int, every: int, extra: list[str], seed: int) -> ChaosReport:
+    report = ChaosReport()
+    rng = random.Random(seed)
+    reference_log = root / "reference.log"
+    with reference_log.open("w") as log:
+        started = time.perf_counter()
+        proc = subprocess.Popen(train_command(root / "reference", root / "reference_state", steps, every, extra,
+                                              resume=False), stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        while proc.poll() is None:
+            if not report.startup_s and SET_UP in reference_log.read_text(errors="replace"):
+                report.startup_s = time.perf_counter() - started
+            time.sleep(0.05)
+        report.reference_s = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"smartinf-chaos: the reference run failed: {reference_log}")
+    training_s = report.reference_s - report.startup_s
+    expected = final_weights(root / "reference", steps)
+    out, state, ckpts = root / "chaos", root / "chaos_state", root / "chaos" / "checkpoints"
+    for attempt in range(kills + 1):
+        before = newest_step(ckpts)
+        if before == steps:  # this chain of runs got to the end: check it, then start a new chain
+            report.chains += 1
+            report.exact_chains += same_weights(expected, final_weights(out, steps))
+            for directory in (out, state):
+                shutil.rmtree(directory)
+            before = -1
+        log_path = root / f"attempt{attempt:02d}.log"
+        with log_path.open("w") as log:
+            proc = subprocess.Popen(train_command(out, state, steps, every, extra, resume=before >= 0),
+                                    stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+            report.resumes += before >= 0
+            if attempt == kills:
+                if proc.wait() != 0:
+                    raise SystemExit(f"smartinf-chaos: the last restart failed: {log_path}")
+                break
+            # one kill in START_UP_SHARE lands in start-up (imports, verification, set-up); the others after the
+            # engine is set up, spread over the restore and the steps still to run
+            early = rng.random() < START_UP_SHARE
+            delay = rng.uniform(0.0, report.startup_s) if early else rng.uniform(
+                0.0, training_s * (steps - max(before, 0)) / steps)  # fmt: skip
+            if not early:
+                while proc.poll() is None and SET_UP not in log_path.read_text(errors="replace"):
+                    time.sleep(0.02)
+            try:
+                proc.wait(timeout=delay)
+            except subprocess.TimeoutExpired:
+                kind = phase(log_path.read_text(errors="replace"), ckpts, proc.pid)
+                proc.kill()
+                proc.wait()
+                report.kills += 1
+                report.phases[kind] = report.phases.get(kind, 0) + 1
+                after = newest_step(ckpts)
+                report.steps_at_kill.append(after)
+                report.lost += after < before
+    for log_path in sorted(root.glob("attempt*.log")):
+        report.skipped += len(re.findall(r"skipping .*newer than any intact checkpoint", log_path.read_text()))
+    report.corrupt = count_corrupt(ckpts) + report.skipped
+    report.chains += 1
+    report.exact_chains += same_weights(expected, final_weights(out, steps))
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="smartinf-chaos", description=__doc__.split("\n")[0])
+    parser.add_argument("--kills", type=int, default=20, help="SIGKILLs before the last, uninterrupted restart")
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps of each run")
+    parser.add_argument("--every", type=int, default=2, help="trainer.checkpoint_every_n_steps")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the kill times")
+    parser.add_argument("--out", type=Path, default=Path("smartinf_chaos"), help="working directory (made fresh)")
+    parser.add_argument("--json", type=Path, help="also write the report here")
+    parser.add_argument("overrides", nargs="*", help="smartinf-train overrides for every run (after --)")
+    args = parser.parse_args(argv)
+    shutil.rmtree(args.out, ignore_errors=True)
+    args.out.mkdir(parents=True)
+    report = campaign(args.out.absolute(), args.kills, args.steps, args.every, args.overrides, args.seed)
+    phases = ", ".join(f"{k} {v}" for k, v in sorted(report.phases.items()))
+    print("| kills | during | resumes | exact | lost | corrupt |\n|---|---|---|---|---|---|")
+    print(f"| {report.kills} | {phases} | {report.resumes} | {report.exact_chains}/{report.chains} runs | "
+          f"{report.lost} | {report.corrupt} |")  # fmt: skip
+    print(f"reference run {report.reference_s:.1f} s ({report.startup_s:.1f} s start-up); newest intact checkpoint "
+          f"after each kill: steps {report.steps_at_kill}; logs: {args.out}/attempt*.log")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(asdict(report), indent=1))
+    if report.exact_chains < report.chains or report.lost or report.corrupt:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
