@@ -207,11 +207,15 @@ class ScheduleConfig:
     eager_update: bool = False
     """``vertical``: start each block's update as soon as its gradient is final, during backward. Needs no
     gradient clipping and no fp16 loss scaling (both need the global gradient norm before any update)."""
+    keep_activations: float = 0.0
+    """``vertical`` with ``vertical_pre``/``vertical_loss``: share of the blocks (the last ones) whose forward graph
+    is kept for backward instead of recomputed (GreedySnake): a quarter less compute for them, at the cost of their
+    activations in memory (schedule/kept.py)."""
 
     def __post_init__(self) -> None:
         _check_choice("schedule.kind", self.kind, ("horizontal", "vertical", "auto"))
         _check_positive("schedule.micro_batches", self.micro_batches)
-        for key in ("checkpoint_host", "checkpoint_nvme", "overlap"):
+        for key in ("checkpoint_host", "checkpoint_nvme", "overlap", "keep_activations"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise ConfigError(f"schedule.{key}={getattr(self, key)} must be a fraction in [0, 1]")
         if self.checkpoint_host + self.checkpoint_nvme > 1.0:

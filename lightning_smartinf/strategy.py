@@ -302,7 +302,7 @@ class SmartInfinityStrategy(ParallelStrategy):
             return ParkedVertical(self.engine, s.micro_batches, s.eager_update)
         tiers = CheckpointTiers(s.micro_batches, s.checkpoint_host, s.checkpoint_nvme, self.engine.disk,
                                 self.engine.counters, self.root_device)  # fmt: skip
-        return VerticalSchedule(self.engine, s.micro_batches, tiers, s.eager_update)
+        return VerticalSchedule(self.engine, s.micro_batches, tiers, s.eager_update, s.keep_activations)
 
     def _auto_schedule(self, batch: torch.Tensor) -> VerticalSchedule | ParkedVertical:
         """Plan the vertical schedule for this batch from short measurements of this machine."""
@@ -322,8 +322,8 @@ class SmartInfinityStrategy(ParallelStrategy):
         chosen = self.broadcast(plan(work, machine))  # rank 0's plan for every rank: one schedule, one result
         log.info(chosen.describe())
         self.plan = chosen
-        settings = ScheduleConfig("vertical", chosen.micro_batches, chosen.checkpoint_host, chosen.checkpoint_nvme,
-                                  chosen.overlap, self.schedule.eager_update)  # fmt: skip
+        settings = replace(self.schedule, kind="vertical", micro_batches=chosen.micro_batches, overlap=chosen.overlap,
+                           checkpoint_host=chosen.checkpoint_host, checkpoint_nvme=chosen.checkpoint_nvme)
         assert self._trainer is not None
         return self._vertical_schedule(self._trainer, settings)
 

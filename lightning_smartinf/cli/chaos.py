@@ -37,6 +37,9 @@ from lightning_smartinf.checkpoint.manifest import MANIFEST, CheckpointError, la
 SET_UP = "smart_infinity storage backend"
 """A line the engine logs once its storage is set up: start-up ends there."""
 START_UP_SHARE = 0.2
+RESTORE_SHARE = 0.5
+"""A restore (and Lightning's fit start) takes about this share of the reference's start-up: kill windows after
+set-up are that much longer than the steps left."""
 
 
 @dataclass
@@ -144,7 +147,7 @@ def campaign(root: Path, kills: int, steps: int, every: int, extra: list[str], s
             # engine is set up, spread over the restore and the steps still to run
             early = rng.random() < START_UP_SHARE
             delay = rng.uniform(0.0, report.startup_s) if early else rng.uniform(
-                0.0, training_s * (steps - max(before, 0)) / steps)  # fmt: skip
+                0.0, RESTORE_SHARE * report.startup_s + training_s * (steps - max(before, 0)) / steps)  # fmt: skip
             if not early:
                 while proc.poll() is None and SET_UP not in log_path.read_text(errors="replace"):
                     time.sleep(0.02)

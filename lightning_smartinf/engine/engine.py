@@ -309,6 +309,10 @@ class OffloadEngine:
         trace.end(("block", index), f"{'backward' if backward else 'forward'} {index}", "compute", block=index)
         self.params.release(index)
 
+    def block_parameters(self, index: int) -> list[torch.nn.Parameter]:
+        """The streamed parameters of block ``index`` (views of one buffer while the block is fetched)."""
+        return [slot.param for slot in self.layout.blocks[index].slots]
+
     def collect_block_grads(self, index: int) -> None:
         block = self.layout.blocks[index]
         with trace.span(f"grads {index}", "grads", block=index):

@@ -23,7 +23,9 @@ from typing import Any, Protocol
 
 import torch
 
+from lightning_smartinf import trace
 from lightning_smartinf.schedule.calls import RecomputeState
+from lightning_smartinf.schedule.kept import kept_blocks, parameter_references
 from lightning_smartinf.schedule.parked import ParkedEngine, snake, split_batch
 from lightning_smartinf.storage.aligned import aligned_bytes, typed_view
 from lightning_smartinf.storage.counters import READ, WRITE, TrafficCounters
@@ -45,6 +47,8 @@ class VerticalEngine(ParkedEngine, Protocol):
 
     counters: TrafficCounters
     block_forwards: list[Callable[..., Any]]
+
+    def block_parameters(self, index: int) -> list[torch.nn.Parameter]: ...
 
 
 def has_protocol(module: object) -> bool:
@@ -111,8 +115,11 @@ class CheckpointTiers:
 class VerticalSchedule:
     """Runs one iteration (forward and backward over M micro-batches) block by block; returns the mean loss."""
 
-    def __init__(self, engine: VerticalEngine, micro_batches: int, tiers: CheckpointTiers, eager: bool = False) -> None:
+    def __init__(self, engine: VerticalEngine, micro_batches: int, tiers: CheckpointTiers, eager: bool = False,
+                 keep_activations: float = 0.0) -> None:  # fmt: skip
         self.engine, self.micro_batches, self.tiers, self.eager = engine, micro_batches, tiers, eager
+        self.keep = kept_blocks(len(engine.block_forwards), keep_activations)
+        """Blocks (0-based) whose forward graph is kept for backward instead of recomputed (``kept.py``)."""
 
     def run(self, module: VerticalModule, batch: Any) -> torch.Tensor:
         engine, blocks = self.engine, len(self.engine.block_forwards)
@@ -121,12 +128,20 @@ class VerticalSchedule:
         for m, hidden in enumerate(embedded):
             self.tiers.put(0, m, hidden)
         replay: dict[tuple[int, int], RecomputeState] = {}
+        graphs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # kept blocks: (input, output)
         with torch.no_grad():
             for b in range(blocks):
                 engine.enter_block(b + 1, backward=False)
                 for m in snake(self.micro_batches, b):
+                    x = self.tiers.get(b, m, keep=b not in self.keep)
+                    if b in self.keep:
+                        x = x.detach().requires_grad_(True)
+                        with torch.enable_grad(), parameter_references(engine.block_parameters(b + 1)):
+                            graphs[(b, m)] = (x, engine.block_forwards[b](x))
+                        self.tiers.put(b + 1, m, graphs[(b, m)][1])
+                        continue
                     replay[(b, m)] = RecomputeState(engine.device)  # the recompute's dropout masks match
-                    self.tiers.put(b + 1, m, engine.block_forwards[b](self.tiers.get(b, m, keep=True)))
+                    self.tiers.put(b + 1, m, engine.block_forwards[b](x))
                 engine.exit_block(b + 1, backward=False)
         # head and loss per micro-batch; their gradients flow back into the blocks' last boundary
         grads: list[torch.Tensor | None] = [None] * self.micro_batches
@@ -141,10 +156,13 @@ class VerticalSchedule:
         for b in reversed(range(blocks)):
             engine.enter_block(b + 1, backward=True)
             for m in snake(self.micro_batches, b + 1):  # continue the snake from where forward turned
-                x = self.tiers.get(b, m).requires_grad_(True)
-                state = replay.pop((b, m))
-                with state.forked(), state.replay(), torch.enable_grad():
-                    out = engine.block_forwards[b](x)
+                if (b, m) in graphs:
+                    x, out = graphs.pop((b, m))
+                else:
+                    x = self.tiers.get(b, m).requires_grad_(True)
+                    state = replay.pop((b, m))
+                    with trace.span("recompute", "recompute"), state.forked(), state.replay(), torch.enable_grad():
+                        out = engine.block_forwards[b](x)
                 out.backward(grads[m])
                 grads[m] = x.grad
             engine.collect_block_grads(b + 1)

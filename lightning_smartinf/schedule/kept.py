@@ -1,0 +1,55 @@
+"""A block's forward graph kept for its backward, instead of recomputing the block from its input.
+
+GreedySnake recomputes nothing it can afford to keep: when a block's activations fit the memory they may use, its
+forward runs with autograd on and backward goes straight through the saved graph, saving one block forward per
+micro-batch (a quarter of the compute). The catch is the parameters: they are streamed, so the buffer the forward
+read them from holds another block by the time backward runs. ``parameter_references`` stores every saved tensor
+that is a view of the block's parameters as a reference (its shape, strides and place in the block) and rebuilds it
+from the parameters fetched again for backward; every other saved tensor (the activations) is kept as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class _ParamView:
+    """A saved tensor that was a view of the block's parameter storage, by position relative to its first one."""
+
+    size: torch.Size
+    stride: tuple[int, ...]
+    position: int
+
+
+def parameter_references(params: Sequence[torch.Tensor]) -> torch.autograd.graph.saved_tensors_hooks:
+    """Saved-tensor hooks for one forward of a block whose parameters ``params`` are views of one buffer (as the
+    engine fetches them); the backward must run while the block is fetched again."""
+    if not params:
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    anchor = params[0]
+    storage, dtype, base = anchor.data.untyped_storage().data_ptr(), anchor.dtype, int(anchor.data.storage_offset())
+
+    def pack(tensor: torch.Tensor) -> Any:
+        if tensor.dtype == dtype and tensor.untyped_storage().data_ptr() == storage:
+            return _ParamView(tensor.size(), tensor.stride(), int(tensor.storage_offset()) - base)
+        return tensor
+
+    def unpack(saved: Any) -> torch.Tensor:
+        if isinstance(saved, _ParamView):
+            current = anchor.data
+            return current.as_strided(saved.size, saved.stride, current.storage_offset() + saved.position)
+        return saved  # type: ignore[no-any-return]
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def kept_blocks(blocks: int, share: float) -> set[int]:
+    """Which blocks (0-based) keep their graphs for ``schedule.keep_activations=share``: the last ones, whose
+    backward comes first, so their memory is freed first."""
+    count = round(share * blocks)
+    return set(range(blocks - count, blocks))
