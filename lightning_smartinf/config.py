@@ -56,6 +56,11 @@ class OffloadConfig:
     """DeepSpeed aio queue depth."""
     check_free_space: bool = True
     """Refuse to start when nvme_path has less free space than the planned state."""
+    host_memory_budget: str = "0"
+    """Host memory the engine may fill with what would otherwise cross the disk, placed by value per byte
+    (engine/placement.py): the fp32 gradients first, then the master and optimizer state of the first subgroups
+    (each one in RAM saves 24 B/param of disk traffic per Adam step). A size (``8GB``, ``512MB``), ``auto`` (half
+    of the host memory available at set-up), or ``0``: everything on storage."""
     return_weights: str = "auto"
     """What the module's parameters hold between stages (after fit, validate, test, predict): ``module``, the trained
     values in their original dtypes (host memory: the model's size); ``meta``, meta tensors that fail on any use,
@@ -66,6 +71,8 @@ class OffloadConfig:
         _check_choice("offload.grads", self.grads, _PLACES)
         _check_choice("offload.io_backend", self.io_backend, ("auto", "aio", "threads"))
         _check_choice("offload.return_weights", self.return_weights, ("auto", "module", "meta"))
+        if self.host_memory_budget != "auto":
+            parse_bytes("offload.host_memory_budget", self.host_memory_budget)
         _check_positive("offload.subgroup_size", self.subgroup_size, 2048)
         _check_positive("offload.prefetch", self.prefetch, 0)
         _check_positive("offload.step_lookahead", self.step_lookahead, 0)
@@ -79,6 +86,24 @@ class OffloadConfig:
     def paths(self) -> list[str]:
         """``nvme_path`` as a list of directories (one entry without striping)."""
         return state_paths(self.nvme_path)
+
+
+def parse_bytes(key: str, text: Any) -> int:
+    """``"8GB"``, ``"512MB"``, ``"64KB"``, ``"1000"`` or an int, as bytes (decimal units, as disks are sold)."""
+    value = str(text).strip().upper()
+    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)):
+        if value.endswith(unit):
+            value, factor = value[: -len(unit)], scale
+            break
+    else:
+        factor = 1
+    try:
+        number = float(value) * factor
+    except ValueError:
+        number = -1.0
+    if number < 0:
+        raise ConfigError(f"{key}={text!r} is not a size: give bytes or a number with KB, MB, GB or TB (or auto)")
+    return int(number)
 
 
 def state_paths(value: Any) -> list[str]:

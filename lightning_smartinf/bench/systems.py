@@ -3,7 +3,7 @@
 (a) DeepSpeed ZeRO-Infinity: the real engine, ZeRO-3, parameters and optimizer state on NVMe, DeepSpeedCPUAdam.
 (b) smart_infinity, horizontal schedule, host update: the same data flow as (a), our engine (gradients in host
     memory like DeepSpeed's; params and optimizer state on disk).
-(c) + vertical schedule and optimizer-step overlap (GreedySnake).
+(c) + vertical schedule, optimizer-step overlap and kept activations (no recompute) (GreedySnake).
 (d) + SmartUpdate on k near-storage devices (Smart-Infinity).
 (e) + SmartComp, top-k 1% with error feedback.
 """
@@ -40,6 +40,10 @@ class Workload:
     accelerator: str = "cpu"
     catch_up: bool = False
     """(e) runs SmartComp with ``compression.catch_up`` (docs/compression.md)."""
+    keep_activations: float = 1.0
+    """(c)-(e): ``schedule.keep_activations``, the share of blocks whose backward needs no recompute."""
+    host_memory_budget: str = "0"
+    """(b)-(e): ``offload.host_memory_budget`` (optimizer state in RAM; their gradients are in RAM anyway)."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -92,11 +96,13 @@ def deepspeed_config(w: Workload, nvme_path: str) -> dict[str, Any]:
 def strategy_settings(system: str, w: Workload, nvme_path: str) -> dict[str, Any]:
     """The SmartInfinityStrategy keywords of systems (b)-(e)."""
     settings: dict[str, Any] = {  # fp32 gradients accumulate in host memory, as DeepSpeed's do
-        "offload": {"nvme_path": nvme_path, "subgroup_size": w.subgroup_size, "grads": "cpu"},
+        "offload": {"nvme_path": nvme_path, "subgroup_size": w.subgroup_size, "grads": "cpu",
+                    "host_memory_budget": w.host_memory_budget},
         "update": {"backend": "host"},
     }
     if system in ("c", "d", "e"):
-        settings["schedule"] = {"kind": "vertical", "micro_batches": w.micro_batches, "overlap": 1.0}
+        settings["schedule"] = {"kind": "vertical", "micro_batches": w.micro_batches, "overlap": 1.0,
+                                "keep_activations": w.keep_activations}
     if system in ("d", "e"):
         settings["update"] = {"backend": "smart", "devices": w.devices}
     if system == "e":

@@ -68,8 +68,9 @@ def run_one(system: str, w: Workload, work: Path, rep: int) -> dict[str, Any]:
 
 
 def roofline(system: str, r: dict[str, Any], w: Workload, m: Machine) -> float:
-    """max(compute, disk time): 6 FLOP/param/token for DeepSpeed, 8 for ours (the block forward is recomputed)."""
-    flops_per_token = 6 if system == "a" else 8
+    """max(compute, disk time): 6 FLOP/param/token for DeepSpeed, plus 2 for each block forward we recompute ((b)
+    recomputes every block; (c)-(e) all but the ``--keep-activations`` share)."""
+    flops_per_token = 6 if system == "a" else 8 if system == "b" else 6 + 2 * (1 - w.keep_activations)
     compute = flops_per_token * r["params"] * w.tokens_per_step / m.flops
     disk = r["disk_read_per_step"] / m.disk_read + r["disk_write_per_step"] / m.disk_write
     return max(compute, disk)
@@ -125,7 +126,8 @@ def report(results: dict[str, dict[str, Any]], w: Workload, m: Machine, args: ar
         "",
         "Host link for (a) is its disk traffic (all of it crosses host memory); for (b)-(e) it is the engine's byte "
         "counters (payload). Roofline: max(compute, disk read / read bandwidth + disk write / write bandwidth) with "
-        "6 FLOP/param/token for (a) and 8 for ours (recomputed block forward).",
+        f"6 FLOP/param/token for (a), 8 for (b) (recomputed block forward), {6 + 2 * (1 - w.keep_activations):g} for "
+        f"(c)-(e) (--keep-activations {w.keep_activations:g}).",
     ]
     return "\n".join(lines)
 
@@ -162,6 +164,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int)
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     parser.add_argument("--devices", type=int, default=2, help="near-storage devices for (d) and (e)")
+    parser.add_argument("--keep-activations", type=float, default=1.0,
+                        help="(c)-(e): share of blocks whose forward graph serves backward (0: recompute all)")
+    parser.add_argument("--host-memory-budget", default="0",
+                        help="(b)-(e): offload.host_memory_budget, e.g. 2GB of optimizer state in RAM (default 0)")
     parser.add_argument("--catch-up", action="store_true", help="(e) with compression.catch_up (docs/compression.md)")
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--accelerator", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -178,7 +184,8 @@ def main(argv: list[str] | None = None) -> None:
     nvme = Path(args.nvme_path).absolute()
     nvme.mkdir(parents=True, exist_ok=True)
     w = Workload(model, args.seq, args.micro_batch, args.micro_batches, args.precision, str(nvme), args.devices,
-                 args.warmup, args.steps, accelerator=args.accelerator, catch_up=args.catch_up)  # fmt: skip
+                 args.warmup, args.steps, accelerator=args.accelerator, catch_up=args.catch_up,
+                 keep_activations=args.keep_activations, host_memory_budget=args.host_memory_budget)  # fmt: skip
     out = Path(args.out)
     work = out / "runs"
     work.mkdir(parents=True, exist_ok=True)

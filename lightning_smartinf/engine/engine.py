@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 
 from lightning_smartinf import trace
 from lightning_smartinf.compress.topk import TopKCompressor
-from lightning_smartinf.config import CompressionConfig, OffloadConfig, UpdateConfig
+from lightning_smartinf.config import CompressionConfig, OffloadConfig, UpdateConfig, parse_bytes
 from lightning_smartinf.engine.grads import GradientAccumulator
 from lightning_smartinf.engine.handback import WeightHandback
 from lightning_smartinf.engine.layout import Block, Layout, ParamSlot, Subgroup, build_layout
@@ -30,6 +30,7 @@ from lightning_smartinf.engine.loss_scale import DynamicLossScaler
 from lightning_smartinf.engine.materialize import Materializer
 from lightning_smartinf.engine.params import ParamStreamer
 from lightning_smartinf.engine.partition import Partition
+from lightning_smartinf.engine.placement import HostPlacement, place
 from lightning_smartinf.engine.pretrained import PretrainedSource
 from lightning_smartinf.errors import ConfigError, HostMemoryError
 from lightning_smartinf.memory import host_available_bytes
@@ -39,7 +40,7 @@ from lightning_smartinf.storage.counters import TrafficCounters
 from lightning_smartinf.storage.io import IOBackend, backend_for
 from lightning_smartinf.storage.lock import StateLock
 from lightning_smartinf.storage.space import human_bytes, prepare_directory
-from lightning_smartinf.storage.store import FileStore, HostStore, StripedStore, TensorStore, stripe_of
+from lightning_smartinf.storage.store import FileStore, HostStore, StripedStore, TensorStore, TieredStore, stripe_of
 from lightning_smartinf.update.base import StepContext, Updater
 from lightning_smartinf.update.cpu_adam import load_cpu_adam
 from lightning_smartinf.update.host import HostUpdater
@@ -190,10 +191,11 @@ class OffloadEngine:
         param_store: TensorStore = disk if offload.params == "nvme" else HostStore(pin=pin)
         self.params = ParamStreamer(self.layout, param_store, self.param_dtype, self.device, offload.prefetch,
                                     self.partition, disk.allocator if param_store is disk else None)  # fmt: skip
+        self.placement = self._place(update)
         self.updater: Updater | None = None
         if self.rule is not None:
             self.updater = self._make_updater(self.rule, update, disk)
-        grad_store: TensorStore = disk if offload.grads == "nvme" else HostStore()
+        grad_store: TensorStore = disk if offload.grads == "nvme" and not self.placement.grads else HostStore()
         if isinstance(self.updater, SmartUpdater) and offload.grads == "nvme":
             grad_store = self.updater.gradient_store()
         grad_allocator = None if isinstance(grad_store, HostStore) else disk.allocator  # any page-locked one serves
@@ -201,6 +203,18 @@ class OffloadEngine:
         self._grad_flat = aligned_bytes(self.layout.max_block_numel * 4)
         self._check_host_memory(needed)
         self._initialize()
+
+    def _place(self, update: UpdateConfig) -> HostPlacement:
+        """``offload.host_memory_budget``: what of the state lives in host memory (engine/placement.py)."""
+        setting = self.cfg.host_memory_budget
+        key = "offload.host_memory_budget"
+        budget = host_available_bytes() // 2 if setting == "auto" else parse_bytes(key, setting)
+        kinds = len(self.rule.states) if self.rule is not None else 0
+        host_update = self.rule is not None and update.backend == "host"
+        placement = place(budget, self.layout, kinds, self.cfg.grads == "cpu", host_update)
+        if budget:
+            log.info("smart_infinity %s", placement.describe(self.layout))
+        return placement
 
     def _check_host_memory(self, disk: list[int]) -> None:
         """Say what host memory and disk this run takes, and refuse before writing any state when the memory on
@@ -230,7 +244,8 @@ class OffloadEngine:
     def _make_updater(self, rule: OptimizerRule, update: UpdateConfig, disk: FileStore | StripedStore) -> Updater:
         if update.backend == "host":
             kernel = load_cpu_adam(update.host_adam) if rule.name in ("adam", "adamw") else None
-            return HostUpdater(rule, disk, self.layout.max_subgroup_numel, self.cfg.step_lookahead, kernel)
+            state = disk if not self.placement.state else TieredStore(disk, HostStore(), self.placement.state)
+            return HostUpdater(rule, state, self.layout.max_subgroup_numel, self.cfg.step_lookahead, kernel)
         if update.wire == "16bit" and self.param_dtype == torch.float32:
             raise ConfigError("update.wire=16bit needs a 16-bit training precision (bf16-mixed or 16-mixed)")
         wire = self.param_dtype if update.wire == "16bit" else torch.float32

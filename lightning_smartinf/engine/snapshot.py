@@ -20,6 +20,7 @@ import torch
 from lightning_smartinf.checkpoint.files import copy_file
 from lightning_smartinf.checkpoint.manifest import COPY_THREADS, CheckpointWriter, Manifest
 from lightning_smartinf.errors import ConfigError
+from lightning_smartinf.storage.store import TieredStore, stripe_of
 
 if TYPE_CHECKING:
     from lightning_smartinf.engine.engine import OffloadEngine
@@ -35,12 +36,33 @@ def _kinds(engine: OffloadEngine) -> tuple[str, ...]:
     return ("master", *(engine.rule.state_kinds if engine.rule else ()))
 
 
+def _in_ram(engine: OffloadEngine) -> TieredStore | None:
+    """The updater's state store where ``offload.host_memory_budget`` put some subgroups' state in host memory."""
+    store = getattr(engine.updater, "store", None)
+    return store if isinstance(store, TieredStore) else None
+
+
+def _ram_entries(engine: OffloadEngine) -> list[tuple[str, str, str]]:
+    """(kind, key, path inside the checkpoint) of the state held in host memory: named as its file would be, so a
+    checkpoint does not depend on the placement (resume with another budget, export without the engine)."""
+    tiered = _in_ram(engine)
+    if tiered is None:
+        return []
+    stripes = len(_state_dirs(engine))
+    return [(kind, sg.key, f"state{stripe_of(sg.key, stripes)}/{kind}/{sg.key}")
+            for kind in _kinds(engine) for sg in engine.layout.subgroups if sg.key in tiered.host_keys]  # fmt: skip
+
+
 def state_files(engine: OffloadEngine) -> list[tuple[Path, str]]:
     """(live file, path inside the checkpoint) for every state file, ``state{i}/{kind}/{subgroup}``."""
+    tiered = _in_ram(engine)
+    in_ram = tiered.host_keys if tiered is not None else frozenset()
     files = []
     for index, state_dir in enumerate(_state_dirs(engine)):
         for kind in _kinds(engine):
             for sg in engine.layout.subgroups:
+                if sg.key in in_ram:  # a file left by an earlier run placed otherwise is stale
+                    continue
                 live = state_dir / kind / sg.key
                 if live.is_file():
                     files.append((live, f"state{index}/{kind}/{sg.key}"))
@@ -114,7 +136,9 @@ def engine_nbytes(engine: OffloadEngine) -> int:
     """Bytes ``save_engine_state`` writes."""
     compressor = engine.compressor
     residuals = sum(compressor.residual_bytes.values()) if compressor is not None else 0
-    return sum(live.stat().st_size for live, _ in state_files(engine)) + residuals
+    tiered = _in_ram(engine)
+    in_ram = sum(tiered.host.tensor(kind, key).numel() for kind, key, _ in _ram_entries(engine)) if tiered else 0
+    return sum(live.stat().st_size for live, _ in state_files(engine)) + residuals + in_ram
 
 
 def save_engine_state(engine: OffloadEngine, writer: CheckpointWriter, prefix: str) -> dict[str, Any]:
@@ -122,6 +146,10 @@ def save_engine_state(engine: OffloadEngine, writer: CheckpointWriter, prefix: s
     engine.wait_step()  # consistent as of a step boundary
     for live, relative in state_files(engine):
         writer.copy(live, f"{prefix}/{relative}")
+    tiered = _in_ram(engine)
+    for kind, key, relative in _ram_entries(engine):
+        assert tiered is not None
+        writer.write(f"{prefix}/{relative}", tiered.host.tensor(kind, key).numpy().tobytes())
     compressor = engine.compressor
     if compressor is not None and compressor.has_state:
         buffer = io.BytesIO()
@@ -146,13 +174,19 @@ def load_engine_state(engine: OffloadEngine, manifest: Manifest, prefix: str, me
         )
     engine.wait_step()
     root = manifest.path / prefix
+    tiered = _in_ram(engine)
+    for kind, key, relative in _ram_entries(engine):
+        assert tiered is not None
+        data = torch.frombuffer(bytearray((root / relative).read_bytes()), dtype=torch.uint8)
+        tiered.host.write(kind, key, data, data.numel())
+    in_ram = tiered.host_keys if tiered is not None else frozenset()
     copies = []
     for index, state_dir in enumerate(_state_dirs(engine)):
         for kind in _kinds(engine):
             (state_dir / kind).mkdir(parents=True, exist_ok=True)
             for sg in engine.layout.subgroups:
                 saved = root / f"state{index}" / kind / sg.key
-                if saved.is_file():
+                if saved.is_file() and sg.key not in in_ram:
                     copies.append((saved, state_dir / kind / sg.key))
     with ThreadPoolExecutor(max_workers=COPY_THREADS, thread_name_prefix="smartinf-restore") as pool:
         list(pool.map(lambda pair: copy_file(pair[0], pair[1], replace=True), copies))

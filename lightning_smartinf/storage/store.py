@@ -135,6 +135,34 @@ class RoutedStore:
         return self._owners[key].exists(kind, key)
 
 
+class TieredStore:
+    """The names of ``host_keys`` in host memory, every other on storage (``offload.host_memory_budget``'s
+    placement of optimizer state): the updater reads and writes both alike."""
+
+    def __init__(self, disk: FileStore | StripedStore, host: HostStore, host_keys: frozenset[str]) -> None:
+        self.disk, self.host, self.host_keys = disk, host, host_keys
+
+    def _store(self, key: str) -> TensorStore:
+        return self.host if key in self.host_keys else self.disk
+
+    def read(self, kind: str, key: str, buffer: torch.Tensor, payload: int, urgent: bool = False) -> Future[None]:
+        return self._store(key).read(kind, key, buffer, payload, urgent)
+
+    def write(self, kind: str, key: str, buffer: torch.Tensor, payload: int) -> Future[None]:
+        return self._store(key).write(kind, key, buffer, payload)
+
+    def exists(self, kind: str, key: str) -> bool:
+        return self._store(key).exists(kind, key)
+
+    @property
+    def roots(self) -> list[Path]:
+        return self.disk.roots
+
+    @property
+    def allocator(self) -> Allocator:
+        return self.disk.allocator
+
+
 class HostStore:
     """The same interface in (pinned, on CUDA hosts) RAM: copies are synchronous and cross no storage link."""
 
@@ -159,3 +187,7 @@ class HostStore:
 
     def exists(self, kind: str, key: str) -> bool:
         return (kind, key) in self._tensors
+
+    def tensor(self, kind: str, key: str) -> torch.Tensor:
+        """The stored bytes of a name (its payload, padded to the 4 KiB alignment files have)."""
+        return self._tensors[(kind, key)]

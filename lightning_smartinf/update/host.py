@@ -17,7 +17,7 @@ import torch
 from lightning_smartinf import trace
 from lightning_smartinf.engine.layout import Subgroup
 from lightning_smartinf.storage.aligned import BufferPool, align_up, typed_view
-from lightning_smartinf.storage.store import FileStore, StripedStore
+from lightning_smartinf.storage.store import FileStore, StripedStore, TieredStore
 from lightning_smartinf.update.base import GradientSource, StepContext
 from lightning_smartinf.update.cpu_adam import DeepSpeedCPUAdamKernel
 from lightning_smartinf.update.optimizers import OptimizerRule, torch_update
@@ -43,7 +43,7 @@ class HostUpdater:
     def __init__(
         self,
         rule: OptimizerRule,
-        store: FileStore | StripedStore,
+        store: FileStore | StripedStore | TieredStore,
         max_subgroup_numel: int,
         lookahead: int,
         adam_kernel: DeepSpeedCPUAdamKernel | None,

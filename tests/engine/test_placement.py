@@ -1,0 +1,72 @@
+"""offload.host_memory_budget: gradients and a share of the optimizer state in host memory, exact against plain
+training and against the all-on-storage engine, resumable under any other budget."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import fit, make_module, relative_error, token_loader
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_smartinf import SmartInfinityStrategy
+from lightning_smartinf.checkpoint import latest_checkpoint
+from lightning_smartinf.engine.placement import place
+from lightning_smartinf.errors import ConfigError
+
+
+def strategy(root: Path, budget: str) -> SmartInfinityStrategy:
+    return SmartInfinityStrategy(offload={"nvme_path": str(root), "subgroup_size": 4096, "io_backend": "threads",
+                                          "host_memory_budget": budget}, update={"host_adam": "torch"})  # fmt: skip
+
+
+def test_the_budget_takes_gradients_first_then_whole_subgroups_in_forward_order(smart, tmp_path: Path) -> None:
+    trainer = fit(make_module(), smart(), max_steps=1)
+    layout = trainer.strategy.engine.layout
+    grads = 4 * layout.local_numel
+    first = layout.subgroups[0]
+    placed = place(grads + 16 * first.numel, layout, 3, grads_in_ram=False, host_update=True)
+    assert placed.grads and placed.state == {first.key} and placed.nbytes == grads + 16 * first.numel
+    assert place(grads - 1, layout, 3, False, True).grads is False
+    assert place(10**12, layout, 3, False, host_update=False).state == frozenset()
+    with pytest.raises(ConfigError, match="offload.host_memory_budget='lots' is not a size"):
+        strategy(tmp_path, "lots")
+
+
+@pytest.mark.parametrize("budget", ["210KB", "10MB"])
+def test_state_in_host_memory_trains_as_plain_lightning(tmp_path: Path, budget: str) -> None:
+    reference = make_module("adamw")
+    fit(reference, precision="32-true", gradient_clip_val=0.5)
+    trainer = fit(make_module("adamw"), strategy(tmp_path, budget), precision="32-true", gradient_clip_val=0.5)
+    engine = trainer.strategy.engine
+    assert engine.placement.grads and engine.placement.state
+    assert relative_error(trainer.strategy.consolidated_state_dict(), reference) < 1e-5
+    read = engine.counters.total(link="host", kind="master", direction="read")
+    everything = len(engine.layout.subgroups) == len(engine.placement.state)
+    assert (read == 0) == everything  # what is in RAM crosses no storage link
+    assert engine.counters.total(link="host", kind="grad") == 0
+
+
+def train(root: Path, steps: int, budget: str, resume: Path | None = None) -> dict[str, torch.Tensor]:
+    s = strategy(root / "state", budget)
+    trainer = pl.Trainer(strategy=s, accelerator="cpu", devices=1, max_steps=steps, precision="32-true",
+                         logger=False, callbacks=[ModelCheckpoint(dirpath=root / "ckpts", every_n_train_steps=2,
+                                                                  save_top_k=-1)],
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)  # fmt: skip
+    trainer.fit(make_module(), token_loader(samples=16), ckpt_path=resume)
+    state: dict[str, Any] = s.consolidated_state_dict()
+    s.close()
+    return state
+
+
+def test_a_checkpoint_of_state_in_ram_resumes_exactly_under_any_budget(tmp_path: Path) -> None:
+    expected = train(tmp_path / "straight", 6, "0")
+    train(tmp_path / "split", 4, "210KB")
+    resume = latest_checkpoint(tmp_path / "split" / "ckpts")
+    assert resume is not None
+    for budget in ("210KB", "0", "10MB"):
+        got = train(tmp_path / f"resumed-{budget}", 6, budget, resume=resume)
+        assert all(torch.equal(got[k], expected[k]) for k in expected), budget
