@@ -124,7 +124,8 @@ class VerticalSchedule:
     def run(self, module: VerticalModule, batch: Any) -> torch.Tensor:
         engine, blocks = self.engine, len(self.engine.block_forwards)
         micros = split_batch(batch, self.micro_batches)
-        embedded = [module.vertical_pre(mb) for mb in micros]  # keeps the resident layers' graphs (boundary 0)
+        with trace.span("embed", "compute"):
+            embedded = [module.vertical_pre(mb) for mb in micros]  # keeps the resident layers' graphs (boundary 0)
         for m, hidden in enumerate(embedded):
             self.tiers.put(0, m, hidden)
         replay: dict[tuple[int, int], RecomputeState] = {}
@@ -147,9 +148,11 @@ class VerticalSchedule:
         grads: list[torch.Tensor | None] = [None] * self.micro_batches
         total = torch.zeros((), device=engine.device)
         for m in range(self.micro_batches):
-            hidden = self.tiers.get(blocks, m).requires_grad_(True)
-            loss = module.vertical_loss(hidden, micros[m]) / self.micro_batches
-            engine.scale_loss(loss).backward()
+            with trace.span("head and loss", "compute", micro_batch=m):
+                hidden = self.tiers.get(blocks, m).requires_grad_(True)
+                loss = module.vertical_loss(hidden, micros[m]) / self.micro_batches
+            with trace.span("head backward", "compute", micro_batch=m):
+                engine.scale_loss(loss).backward()
             grads[m], total = hidden.grad, total + loss.detach()
         if self.eager:  # each block's update starts when its backward below has finished
             engine.begin_eager_step()
