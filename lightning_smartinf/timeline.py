@@ -37,35 +37,70 @@ class Trace(pl.Callback):
                            batch_idx: int) -> None:  # fmt: skip
         if self.tracer is None or trace.active() is not self.tracer:
             return
-        now = time.perf_counter_ns()
+        now = time.perf_counter_ns()  # the iteration's end
         self.tracer.record(f"iteration {batch_idx}", "iteration", self._began, now)
         self.window.append((self._began, now))
         if len(self.window) == self.iterations:
-            self.finish()
+            trace.stop()  # the files are written as training ends, outside the timed iterations
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.tracer is not None and trace.active() is self.tracer:
-            self.finish()
+        self.finish()
 
     def finish(self) -> None:
-        """Stop recording, write the trace and the summary (also ``self.summary``)."""
+        """Stop recording, write the trace, its picture and the summary (also ``self.summary``)."""
         tracer = self.tracer
-        trace.stop()
-        if tracer is None or not self.window:
+        if trace.active() is tracer:
+            trace.stop()
+        if tracer is None or not self.window or self.summary:
             return
         first, last = self.window[0][0], self.window[-1][1]
         n = len(self.window)
         phases = {k: v / n for k, v in sorted(tracer.exposed(first, last).items(), key=lambda kv: -kv[1])}
         io = tracer.io_summary(first, last)
         self.summary = {"iterations": n, "seconds_per_iteration": (last - first) / 1e9 / n, "phases": phases,
-                        "io": io, "trace": str(tracer.write(self.path))}  # fmt: skip
+                        "io": io, "trace": str(tracer.write(self.path)),
+                        "plot": str(plot_timeline(tracer, first, last, self.path.with_suffix(".png")))}  # fmt: skip
         log.info("%s", format_summary(self.summary))
+
+
+COLORS = {"compute": "#4c72b0", "recompute": "#8172b2", "wait": "#c44e52", "grads": "#dd8452", "step": "#937860",
+          "update": "#55a868", "io": "#8c8c8c"}
+
+
+def plot_timeline(tracer: trace.Tracer, start_ns: int, end_ns: int, path: Path) -> Path:
+    """The traced iterations as a picture: one row per thread (training thread on top), spans by category."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tids = [tracer.main_tid] + sorted(t for t in tracer.threads if t != tracer.main_tid)
+    rows = {tid: i for i, tid in enumerate(tids)}
+    fig, ax = plt.subplots(figsize=(12, 0.45 * len(tids) + 1.5))
+    groups: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    for e in tracer.events:
+        if e.cat != "iteration" and e.end_ns >= start_ns and e.start_ns <= end_ns:
+            groups.setdefault((e.tid, e.cat), []).append(((e.start_ns - start_ns) / 1e9, (e.end_ns - e.start_ns) / 1e9))
+    for cat in COLORS:  # nested spans (wait, recompute, grads) drawn after, thinner, on top
+        height = 0.45 if cat in ("wait", "recompute", "grads") else 0.6
+        for (tid, group_cat), spans in groups.items():
+            if group_cat == cat:
+                ax.broken_barh(spans, (rows[tid] - height / 2, height), facecolors=COLORS[cat], linewidth=0)
+    ax.set_yticks(range(len(tids)), [tracer.threads.get(t, str(t)) for t in tids], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
+    ax.legend(handles, list(COLORS), ncol=len(COLORS), fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def format_summary(summary: dict[str, Any]) -> str:
     total = summary["seconds_per_iteration"]
-    lines = [f"trace: {summary['trace']} ({summary['iterations']} iteration(s), {total:.3f} s each); the training "
-             "thread's time per iteration by phase (all but compute is exposed):"]  # fmt: skip
+    lines = [f"trace: {summary['trace']} (picture: {summary['plot']}; {summary['iterations']} iteration(s), "
+             f"{total:.3f} s each); the training thread's time per iteration by phase (all but compute is exposed):"]
     lines += [f"  {phase:<8} {seconds:8.3f} s  {100 * seconds / total:5.1f}%" for phase, seconds in
               summary["phases"].items()]  # fmt: skip
     for kind, row in sorted(summary["io"].items()):

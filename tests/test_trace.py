@@ -33,3 +33,4 @@ def test_a_traced_fit_records_blocks_io_and_updates(smart, tmp_path: Path) -> No
     assert summary["iterations"] == 2
     assert abs(sum(summary["phases"].values()) - summary["seconds_per_iteration"]) < 1e-6
     assert summary["io"]["read master"]["bytes"] > 0
+    assert Path(summary["plot"]).stat().st_size > 10_000  # the picture of the timeline
