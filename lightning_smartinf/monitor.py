@@ -17,6 +17,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_smartinf.core import HOST_LINK
+
 
 def count_tokens(module: pl.LightningModule, batch: Any) -> int:
     """Tokens trained in ``batch``: the module's ``tokens_in_batch`` if it has one, else the batch's elements."""
@@ -46,7 +48,7 @@ class SmartInfinityMonitor(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.started = self.step_started = time.perf_counter()
         engine = self._engine(trainer)
-        self.last_bytes = self.start_bytes = engine.counters.total(link="host") if engine else 0
+        self.last_bytes = self.start_bytes = engine.counters.total(link=HOST_LINK) if engine else 0
         self.start_step = engine.step_count if engine else 0  # non-zero after a resume
 
     @override
@@ -61,7 +63,7 @@ class SmartInfinityMonitor(Callback):
             return
         now = time.perf_counter()
         elapsed = max(now - self.step_started, 1e-9)
-        host = engine.counters.total(link="host")
+        host = engine.counters.total(link=HOST_LINK)
         metrics = {
             "tok_s": self.step_tokens / elapsed,
             "host_GBps": (host - self.last_bytes) / elapsed / 1e9,
@@ -79,7 +81,7 @@ class SmartInfinityMonitor(Callback):
         steps = engine.step_count - self.start_step
         params = engine.layout.num_params
         mine = {"tokens": self.tokens, "table": engine.counters.table(),
-                "host": engine.counters.total(link="host") - self.start_bytes}  # fmt: skip
+                HOST_LINK: engine.counters.total(link=HOST_LINK) - self.start_bytes}  # fmt: skip
         ranks = [mine]
         if trainer.world_size > 1 and dist.is_initialized():  # every rank runs this hook: a collective is safe
             ranks = [{}] * trainer.world_size
@@ -100,8 +102,8 @@ class SmartInfinityMonitor(Callback):
             "compression": engine.compressor.summary() if engine.compressor is not None else None,
             "traffic_bytes": table,
             "traffic_bytes_per_rank": [r["table"] for r in ranks],
-            "host_link_bytes_per_param_per_step": sum(r["host"] for r in ranks) / params / max(steps, 1),
-            "host_link_bytes_per_rank": [r["host"] for r in ranks],
+            "host_link_bytes_per_param_per_step": sum(r[HOST_LINK] for r in ranks) / params / max(steps, 1),
+            "host_link_bytes_per_rank": [r[HOST_LINK] for r in ranks],
         }
         if trainer.is_global_zero:
             print(format_summary(self.summary))

@@ -41,7 +41,6 @@ from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_smartinf.checkpoint.export import export_live
 from lightning_smartinf.checkpoint.files import fsync_directory
 from lightning_smartinf.checkpoint.manifest import (
     ENGINE_STATE,
@@ -62,6 +61,7 @@ from lightning_smartinf.config import (
     coerce,
 )
 from lightning_smartinf.engine.engine import OffloadEngine
+from lightning_smartinf.engine.export import export_live
 from lightning_smartinf.engine.planning import block_flops, memory_budget, update_rate, workload_of
 from lightning_smartinf.engine.snapshot import engine_nbytes, load_engine_state, save_engine_state
 from lightning_smartinf.errors import ConfigError

@@ -62,3 +62,12 @@ def test_tmpfs_falls_back_to_buffered_io(tmp_path: Path, monkeypatch: pytest.Mon
     assert "buffered" in backend.name
     with pytest.raises(ValueError, match="needs O_DIRECT"):
         io.make_backend("aio", tmp_path, 1, 1, 1 << 20, 8)
+
+
+def test_io_settings_defaults_are_the_offload_configs() -> None:
+    """storage/ takes plain settings, not the config: its defaults must stay the config's."""
+    from lightning_smartinf.storage.io import IOSettings
+
+    cfg = OffloadConfig()
+    assert IOSettings() == IOSettings(cfg.io_backend, cfg.io_threads, cfg.aio_intra_op_parallelism,
+                                      cfg.aio_block_size, cfg.aio_queue_depth)  # fmt: skip

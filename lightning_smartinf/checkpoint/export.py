@@ -12,18 +12,14 @@ import json
 import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from lightning_smartinf.checkpoint.manifest import ENGINE_STATE, TRAINER_STATE, CheckpointError, verify_checkpoint
 from lightning_smartinf.checkpoint.shards import Planned, write_file, write_sharded
-from lightning_smartinf.engine.snapshot import parameter_aliases
 from lightning_smartinf.errors import ConfigError
-
-if TYPE_CHECKING:
-    from lightning_smartinf.engine.engine import OffloadEngine
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -57,10 +53,10 @@ def _block_tensors(manifest: Any, index: int, dtype: torch.dtype) -> Iterator[tu
         yield name, flat[offset : offset + numel].view(shape).to(dtype)
 
 
-def _with_aliases(params: Iterable[tuple[str, torch.Tensor]], aliases: dict[str, str],
-                  extra: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+def with_aliases(params: Iterable[tuple[str, torch.Tensor]], aliases: dict[str, str],
+                 extra: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
     """Every parameter (block by block), then the second names of shared ones, then buffers and frozen
-    parameters: the order ``_plan`` lays them out in."""
+    parameters: the order ``plan_tensors`` lays them out in."""
     kept: dict[str, torch.Tensor] = {}
     wanted = set(aliases.values())
     for name, tensor in params:
@@ -75,12 +71,12 @@ def _with_aliases(params: Iterable[tuple[str, torch.Tensor]], aliases: dict[str,
 def _checkpoint_tensors(manifest: Any, layout: dict[str, Any], extra: dict[str, torch.Tensor],
                         dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
     params = (item for index in range(len(layout["blocks"])) for item in _block_tensors(manifest, index, dtype))
-    return _with_aliases(params, layout.get("aliases", {}), extra)
+    return with_aliases(params, layout.get("aliases", {}), extra)
 
 
-def _plan(params: Iterable[tuple[str, tuple[int, ...]]], aliases: dict[str, str], extra: dict[str, torch.Tensor],
-          dtype: torch.dtype) -> list[Planned]:  # fmt: skip
-    """The export's tensors in ``_with_aliases`` order: floating-point ones in ``dtype``, others as they are."""
+def plan_tensors(params: Iterable[tuple[str, tuple[int, ...]]], aliases: dict[str, str],
+                 extra: dict[str, torch.Tensor], dtype: torch.dtype) -> list[Planned]:  # fmt: skip
+    """The export's tensors in ``with_aliases`` order: floating-point ones in ``dtype``, others as they are."""
     plan = [Planned(name, dtype, shape) for name, shape in params]
     shapes = {p.name: p.shape for p in plan}
     plan += [Planned(alias, dtype, shapes[name]) for alias, name in aliases.items()]
@@ -88,8 +84,8 @@ def _plan(params: Iterable[tuple[str, tuple[int, ...]]], aliases: dict[str, str]
     return plan
 
 
-def _write(out: Path, plan: list[Planned], tensors: Iterator[tuple[str, torch.Tensor]], max_shard_bytes: int,
-           metadata: dict[str, str], strip_prefix: str) -> list[Path]:  # fmt: skip
+def write_tensors(out: Path, plan: list[Planned], tensors: Iterator[tuple[str, torch.Tensor]], max_shard_bytes: int,
+                  metadata: dict[str, str], strip_prefix: str) -> list[Path]:  # fmt: skip
     """``out`` as one .safetensors file, or a directory in save_pretrained's layout; names without ``strip_prefix``."""
     renamed = [Planned(p.name.removeprefix(strip_prefix), p.dtype, p.shape) for p in plan]
     stream = ((name.removeprefix(strip_prefix), t) for name, t in tensors)
@@ -133,7 +129,7 @@ def export_safetensors(checkpoint: Path, out: Path, dtype: str = "bf16", max_sha
     target_dtype = DTYPES[dtype]
     aliases = layout.get("aliases", {})
     params = ((name, tuple(shape)) for block in layout["blocks"] for name, _, _, shape in block["params"])
-    plan = _plan(params, aliases, extra, target_dtype)
+    plan = plan_tensors(params, aliases, extra, target_dtype)
     hyper = {k: _jsonable(v) for k, v in dict(trainer_state.get("hyper_parameters") or {}).items()}
     metadata = {
         "format": "pt",
@@ -143,34 +139,6 @@ def export_safetensors(checkpoint: Path, out: Path, dtype: str = "bf16", max_sha
         "hyper_parameters": json.dumps(hyper, default=str),
     }
     tensors = _checkpoint_tensors(manifest, layout, extra, target_dtype)
-    files = _write(out, plan, tensors, max_shard_bytes, metadata, strip_prefix)
+    files = write_tensors(out, plan, tensors, max_shard_bytes, metadata, strip_prefix)
     numel = sum(math.prod(p.shape) for p in plan)
     return files, numel
-
-
-def export_live(engine: OffloadEngine, out: Path, dtype: str = "fp32", max_shard_bytes: int = 2_000_000_000,
-                strip_prefix: str = "", write: bool = True) -> list[Path]:  # fmt: skip
-    """The trained weights of a live engine, as ``export_safetensors`` writes them, read block by block from its
-    masters (a collective under data parallelism: every rank calls it, ``write`` on one)."""
-    if dtype not in DTYPES:
-        raise ConfigError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
-    target = DTYPES[dtype]
-    aliases = parameter_aliases(engine)
-    slots = [slot for block in engine.layout.blocks for slot in block.slots]
-    owned = {slot.name for slot in slots} | set(aliases)
-    extra = {k: v for k, v in engine.model.state_dict().items() if k not in owned}
-    plan = _plan(((s.name, tuple(s.shape)) for s in slots), aliases, extra, target)
-
-    def params() -> Iterator[tuple[str, torch.Tensor]]:
-        for block in engine.layout.blocks:
-            flat = engine.block_masters(block)
-            for slot in block.slots:
-                yield slot.name, flat[slot.offset : slot.offset + slot.numel].view(slot.shape).to(target)
-
-    tensors = _with_aliases(params(), aliases, extra)
-    if not write:
-        for _ in tensors:
-            pass
-        return []
-    metadata = {"format": "pt", "global_step": str(engine.step_count), "dtype": dtype}
-    return _write(out, plan, tensors, max_shard_bytes, metadata, strip_prefix)

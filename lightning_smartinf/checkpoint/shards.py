@@ -18,8 +18,11 @@ from pathlib import Path
 
 import torch
 
-from lightning_smartinf.engine.pretrained import INDEX, SINGLE
 from lightning_smartinf.errors import ConfigError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+"""The file names of ``save_pretrained``'s layout (sharded with an index, or one file)."""
 
 CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",

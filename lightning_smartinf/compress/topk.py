@@ -25,9 +25,8 @@ from typing import Any
 import torch
 
 from lightning_smartinf.config import CompressionConfig
-from lightning_smartinf.engine.layout import Layout, Subgroup
+from lightning_smartinf.core import Layout, StepContext, Subgroup
 from lightning_smartinf.errors import ConfigError
-from lightning_smartinf.update.base import StepContext
 
 VALUE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

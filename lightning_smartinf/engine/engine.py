@@ -23,9 +23,10 @@ from torch.optim import Optimizer
 from lightning_smartinf import trace
 from lightning_smartinf.compress.topk import TopKCompressor
 from lightning_smartinf.config import CompressionConfig, OffloadConfig, UpdateConfig, parse_bytes
+from lightning_smartinf.core import HOST_LINK, Block, Layout, ParamSlot, StepContext, Subgroup
 from lightning_smartinf.engine.grads import GradientAccumulator
 from lightning_smartinf.engine.handback import WeightHandback
-from lightning_smartinf.engine.layout import Block, Layout, ParamSlot, Subgroup, build_layout
+from lightning_smartinf.engine.layout import build_layout
 from lightning_smartinf.engine.loss_scale import DynamicLossScaler
 from lightning_smartinf.engine.materialize import Materializer
 from lightning_smartinf.engine.params import ParamStreamer
@@ -37,18 +38,17 @@ from lightning_smartinf.memory import host_available_bytes
 from lightning_smartinf.schedule.horizontal import find_blocks, unwrap_blocks, wrap_blocks
 from lightning_smartinf.storage.aligned import align_up, aligned_bytes, typed_view
 from lightning_smartinf.storage.counters import TrafficCounters
-from lightning_smartinf.storage.io import IOBackend, backend_for
+from lightning_smartinf.storage.io import IOBackend, IOSettings, backend_for
 from lightning_smartinf.storage.lock import StateLock
 from lightning_smartinf.storage.space import human_bytes, prepare_directory
 from lightning_smartinf.storage.store import FileStore, HostStore, StripedStore, TensorStore, TieredStore, stripe_of
-from lightning_smartinf.update.base import StepContext, Updater
+from lightning_smartinf.update.base import Updater
 from lightning_smartinf.update.cpu_adam import load_cpu_adam
 from lightning_smartinf.update.host import HostUpdater
 from lightning_smartinf.update.optimizers import OptimizerRule, hyperparameters, rule_for, with_catch_up
 from lightning_smartinf.update.smart import SmartUpdater, device_specs
 
 log = logging.getLogger(__name__)
-HOST_LINK = "host"
 
 
 @dataclass
@@ -165,7 +165,10 @@ class OffloadEngine:
     def _open_store(self, directory: Path, needed: int, key: str, link: str) -> FileStore:
         """Check and lock ``directory`` (config key ``key``), give it its own I/O backend, and count on ``link``."""
         self._lock(directory, needed, key)
-        backend = backend_for(directory, self.cfg)
+        cfg = self.cfg
+        settings = IOSettings(cfg.io_backend, cfg.io_threads, cfg.aio_intra_op_parallelism, cfg.aio_block_size,
+                              cfg.aio_queue_depth)  # fmt: skip
+        backend = backend_for(directory, settings)
         self._backends.append(backend)
         return FileStore(directory, backend, self.counters, link)
 

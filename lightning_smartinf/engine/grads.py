@@ -12,11 +12,9 @@ from concurrent.futures import Future
 
 import torch
 
-from lightning_smartinf.engine.layout import Block, Layout, Subgroup
+from lightning_smartinf.core import GRAD, Block, Layout, Subgroup
 from lightning_smartinf.storage.aligned import Allocator, BufferPool, typed_view
 from lightning_smartinf.storage.store import TensorStore, done_future
-
-GRAD = "grad"
 
 
 class GradientAccumulator:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from lightning_smartinf.engine.layout import ParamSlot
+from lightning_smartinf.core import ParamSlot
 from lightning_smartinf.memory import host_available_bytes
 from lightning_smartinf.schedule.horizontal import unwrap_blocks, wrap_blocks
 from lightning_smartinf.storage.space import human_bytes

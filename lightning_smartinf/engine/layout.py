@@ -16,104 +16,11 @@ disks at once). A rank's subgroups cut only its own chunk; every rank keeps the 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
+from lightning_smartinf.core import ELEMENT_ALIGN, Block, Layout, ParamSlot, Subgroup, round_up
 from lightning_smartinf.errors import ConfigError
-
-ELEMENT_ALIGN = 2048
-
-
-def round_up(n: int, multiple: int = ELEMENT_ALIGN) -> int:
-    return (n + multiple - 1) // multiple * multiple
-
-
-@dataclass
-class ParamSlot:
-    """One parameter's place in its block's flat buffer."""
-
-    name: str
-    param: nn.Parameter
-    offset: int
-    numel: int
-    shape: torch.Size
-    dtype: torch.dtype
-    """The parameter's dtype in the user's module (the engine computes in the training precision's)."""
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the parameter in its own dtype."""
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
-
-
-@dataclass
-class Subgroup:
-    """A contiguous range of one block's flat buffer, all in one optimizer param group."""
-
-    index: int
-    block: int
-    param_group: int
-    offset: int
-    numel: int
-
-    @property
-    def key(self) -> str:
-        return f"sg{self.index:06d}"
-
-
-@dataclass
-class Block:
-    index: int
-    name: str
-    module: nn.Module | None
-    resident: bool
-    numel: int = 0
-    slots: list[ParamSlot] = field(default_factory=list)
-    subgroups: list[Subgroup] = field(default_factory=list)
-
-    @property
-    def params(self) -> int:
-        return sum(s.numel for s in self.slots)
-
-
-@dataclass
-class Layout:
-    blocks: list[Block]
-    subgroups: list[Subgroup]
-    rank: int = 0
-    world: int = 1
-
-    def chunk(self, block: Block) -> tuple[int, int]:
-        """The [start, end) of ``block``'s flat buffer that this rank owns."""
-        size = block.numel // self.world
-        return self.rank * size, (self.rank + 1) * size
-
-    @property
-    def num_params(self) -> int:
-        return sum(b.params for b in self.blocks)
-
-    @property
-    def local_numel(self) -> int:
-        """Elements this rank updates (all parameters with one rank)."""
-        return sum(sg.numel for sg in self.subgroups)
-
-    @property
-    def max_subgroup_numel(self) -> int:
-        return max((sg.numel for sg in self.subgroups), default=ELEMENT_ALIGN)
-
-    @property
-    def max_block_numel(self) -> int:
-        return max(b.numel for b in self.blocks if not b.resident)
-
-    @property
-    def streamed(self) -> list[Block]:
-        return [b for b in self.blocks if not b.resident]
-
-    @property
-    def resident(self) -> Block:
-        return self.blocks[0]
 
 
 def build_layout(

@@ -24,11 +24,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lightning_smartinf.engine.layout import Block, ParamSlot
+from lightning_smartinf.core import Block, ParamSlot
 from lightning_smartinf.errors import ConfigError
 
 if TYPE_CHECKING:
     from lightning_smartinf.engine.pretrained import PretrainedSource
+
 
 def owners(model: nn.Module, params: list[nn.Parameter]) -> list[nn.Module]:
     """The modules that hold any of ``params`` directly, in ``model.modules()`` order."""

@@ -13,12 +13,10 @@ from concurrent.futures import Future
 
 import torch
 
-from lightning_smartinf.engine.layout import Block, Layout, Subgroup
+from lightning_smartinf.core import PARAM, Block, Layout, Subgroup
 from lightning_smartinf.engine.partition import Partition
 from lightning_smartinf.storage.aligned import Allocator, BufferPool, PageAligned, typed_view
 from lightning_smartinf.storage.store import TensorStore
-
-PARAM = "param"
 
 
 class ParamStreamer:

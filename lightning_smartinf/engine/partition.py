@@ -17,7 +17,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from lightning_smartinf.engine.layout import Block, Layout
+from lightning_smartinf.core import Block, Layout
 from lightning_smartinf.errors import SmartInfError
 
 T = TypeVar("T")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_smartinf.engine.layout import Layout
+from lightning_smartinf.core import Layout
 from lightning_smartinf.storage.space import human_bytes
 
 

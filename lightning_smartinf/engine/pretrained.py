@@ -22,10 +22,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from lightning_smartinf.checkpoint.shards import INDEX, SINGLE
 from lightning_smartinf.errors import ConfigError
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool}  # fmt: skip

@@ -19,6 +19,7 @@ import torch
 
 from lightning_smartinf.checkpoint.files import copy_file
 from lightning_smartinf.checkpoint.manifest import COPY_THREADS, CheckpointWriter, Manifest
+from lightning_smartinf.core import MASTER
 from lightning_smartinf.errors import ConfigError
 from lightning_smartinf.storage.store import TieredStore, stripe_of
 
@@ -33,7 +34,7 @@ def _state_dirs(engine: OffloadEngine) -> list[Path]:
 
 
 def _kinds(engine: OffloadEngine) -> tuple[str, ...]:
-    return ("master", *(engine.rule.state_kinds if engine.rule else ()))
+    return (MASTER, *(engine.rule.state_kinds if engine.rule else ()))
 
 
 def _in_ram(engine: OffloadEngine) -> TieredStore | None:

@@ -48,12 +48,6 @@ class TrafficCounters:
             and (direction is None or key.direction == direction)
         )
 
-    def by_link(self) -> dict[str, int]:
-        out: dict[str, int] = defaultdict(int)
-        for key, n in self.snapshot().items():
-            out[key.link] += n
-        return dict(out)
-
     def table(self) -> dict[str, dict[str, int]]:
         """``{"link/direction": {kind: bytes}}``, for summaries and JSON reports."""
         out: dict[str, dict[str, int]] = defaultdict(dict)

@@ -19,12 +19,12 @@ import uuid
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from lightning_smartinf.config import OffloadConfig
 from lightning_smartinf.errors import ConfigError, SetupError, ShortReadError, StorageError
 from lightning_smartinf.ops import load_op
 from lightning_smartinf.storage.aligned import ALIGNMENT, Allocator, PageAligned, align_up, aligned_bytes
@@ -359,15 +359,6 @@ def reserve(path: Path, nbytes: int) -> None:
         raise io_error(err, "writing", path, nbytes) from err
 
 
-def deepspeed_aio_available() -> bool:
-    try:
-        from deepspeed.ops.op_builder import AsyncIOBuilder
-
-        return bool(AsyncIOBuilder().is_compatible(verbose=False))
-    except Exception:  # noqa: BLE001 - any import or probe failure means "not available"
-        return False
-
-
 def make_backend(
     kind: str, directory: Path, threads: int, intra_op_parallelism: int, block_size: int, queue_depth: int
 ) -> IOBackend:
@@ -392,9 +383,20 @@ def make_backend(
     return ThreadPoolIO(threads, direct=True)
 
 
-def backend_for(directory: Path, cfg: OffloadConfig | None = None) -> IOBackend:
-    """The backend ``offload`` settings ask for under ``directory``; the engine's defaults when none are given (for
-    commands that probe a disk without an engine)."""
-    cfg = cfg or OffloadConfig()
-    return make_backend(cfg.io_backend, directory, cfg.io_threads, cfg.aio_intra_op_parallelism, cfg.aio_block_size,
-                        cfg.aio_queue_depth)  # fmt: skip
+@dataclass(frozen=True)
+class IOSettings:
+    """How to reach one directory's disk: ``offload.io_backend``, ``io_threads`` and the ``aio_*`` keys (these
+    defaults are ``OffloadConfig``'s; the engine passes the config's values)."""
+
+    kind: str = "auto"
+    threads: int = 4
+    intra_op_parallelism: int = 1
+    block_size: int = 1_048_576
+    queue_depth: int = 32
+
+
+def backend_for(directory: Path, settings: IOSettings | None = None) -> IOBackend:
+    """The backend ``settings`` ask for under ``directory`` (the defaults for commands that probe a disk without
+    an engine)."""
+    s = settings or IOSettings()
+    return make_backend(s.kind, directory, s.threads, s.intra_op_parallelism, s.block_size, s.queue_depth)

@@ -9,33 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
-from lightning_smartinf.engine.layout import Subgroup
-
-
-@dataclass
-class StepContext:
-    """What one optimizer step needs besides the gradients."""
-
-    step: int
-    """The optimizer step being taken, counting from 1 (skipped steps do not count)."""
-    hyper: list[dict[str, Any]]
-    """Per param group hyper-parameters, read from the torch optimizer now (LR schedulers apply)."""
-    inv_scale: float = 1.0
-    """1/loss_scale as fp32, applied to every gradient first (GradScaler's unscale)."""
-    clip_coef: float = 1.0
-    """Clip coefficient as fp32, applied next (clip_grad_norm_'s multiply)."""
-
-    def prepare(self, grad: torch.Tensor) -> None:
-        """Unscale and clip a gradient in place, in the order and precision torch uses."""
-        for coef in (self.inv_scale, self.clip_coef):
-            if coef != 1.0:
-                grad.mul_(coef)
+from lightning_smartinf.core import StepContext, Subgroup
 
 
 class GradientSource(Protocol):

@@ -15,14 +15,12 @@ from pathlib import Path
 import torch
 
 from lightning_smartinf import trace
-from lightning_smartinf.engine.layout import Subgroup
+from lightning_smartinf.core import MASTER, StepContext, Subgroup
 from lightning_smartinf.storage.aligned import BufferPool, align_up, typed_view
 from lightning_smartinf.storage.store import FileStore, StripedStore, TieredStore
-from lightning_smartinf.update.base import GradientSource, StepContext
+from lightning_smartinf.update.base import GradientSource
 from lightning_smartinf.update.cpu_adam import DeepSpeedCPUAdamKernel
 from lightning_smartinf.update.optimizers import OptimizerRule, torch_update
-
-MASTER = "master"
 
 
 class _Loaded:

@@ -25,12 +25,12 @@ import torch
 
 from lightning_smartinf.compress.topk import VALUE_DTYPES, SparseGradient, TopKCompressor, max_nnz
 from lightning_smartinf.config import CompressionConfig
-from lightning_smartinf.engine.layout import Layout, Subgroup
+from lightning_smartinf.core import GRAD, HOST_LINK, MASTER, PARAM, Layout, StepContext, Subgroup, device_link
 from lightning_smartinf.errors import ConfigError
 from lightning_smartinf.storage.aligned import Allocator, align_up, aligned_bytes, typed_view
 from lightning_smartinf.storage.counters import READ, WRITE, TrafficCounters
 from lightning_smartinf.storage.store import FileStore, RoutedStore
-from lightning_smartinf.update.base import GradientSource, StepContext
+from lightning_smartinf.update.base import GradientSource
 from lightning_smartinf.update.opencl import (
     SPARSE_SOURCE,
     DeviceSpec,
@@ -41,8 +41,6 @@ from lightning_smartinf.update.opencl import (
 )
 from lightning_smartinf.update.optimizers import LAST_STEP, OptimizerRule
 
-MASTER = "master"
-HOST_LINK = "host"
 UPDATED = "updated_param"
 INDEX, VALUE, SQUARE = "grad_index", "grad_value", "grad_square"
 """Kinds of a compressed gradient on the host link."""
@@ -84,8 +82,8 @@ class _Slot:
     def __init__(self, cl: Any, context: Any, rule: OptimizerRule, numel: int, grad_dtype: torch.dtype,
                  param_dtype: torch.dtype, max_nnz: int, squares: bool, allocator: Allocator) -> None:  # fmt: skip
         sizes = {k: 4 * numel for k in (MASTER, *rule.state_kinds)}
-        sizes["grad"] = torch.empty((), dtype=grad_dtype).element_size() * numel
-        sizes["param"] = torch.empty((), dtype=param_dtype).element_size() * numel
+        sizes[GRAD] = torch.empty((), dtype=grad_dtype).element_size() * numel
+        sizes[PARAM] = torch.empty((), dtype=param_dtype).element_size() * numel
         if max_nnz:  # SmartComp: int32 indices and 16-bit values in, decompressed into "grad"
             sizes[INDEX], sizes[VALUE] = 4 * max_nnz, 2 * max_nnz
             if squares:  # catch-up: the sums of squares travel too
@@ -177,7 +175,7 @@ class NearStorageDevice:
         self.grad_dtype, self.param_dtype = grad_dtype, param_dtype
         self.inbox: queue.Queue[_Job | None] = queue.Queue(maxsize=1)
         self.outbox: queue.Queue[tuple[Subgroup, torch.Tensor] | BaseException] | None = None
-        self.link = f"device{index}"
+        self.link = device_link(index)
         self._thread = threading.Thread(target=self._run, name=f"smartinf-{self.link}", daemon=True)
         self._thread.start()
 
@@ -226,13 +224,13 @@ class NearStorageDevice:
         nnz = np.uint32(job.sparse.indices.numel())
         if job.sparse.squares is not None:  # catch-up: decay every element, then move the received ones
             decay, *args = job.kernel_args
-            self.decay(self.queue, (job.sg.numel,), None, b[MASTER], b["param"], n, decay)
+            self.decay(self.queue, (job.sg.numel,), None, b[MASTER], b[PARAM], n, decay)
             state = [b[kind] for kind in self.rule.state_kinds]  # exp_avg, exp_avg_sq, last_step
-            return self.catch_up(self.queue, (int(nnz),), None, b[MASTER], *state, b["param"], n, b[INDEX],
+            return self.catch_up(self.queue, (int(nnz),), None, b[MASTER], *state, b[PARAM], n, b[INDEX],
                                  b[VALUE], b[SQUARE], nnz, *args)  # fmt: skip
         # decompress: zero-fill, scatter, then the optimizer kernel on the dense gradient
-        self.zero_fill(self.queue, (job.sg.numel,), None, b["grad"], n)
-        self.scatter(self.queue, (int(nnz),), None, b["grad"], n, b[INDEX], b[VALUE], nnz)
+        self.zero_fill(self.queue, (job.sg.numel,), None, b[GRAD], n)
+        self.scatter(self.queue, (int(nnz),), None, b[GRAD], n, b[INDEX], b[VALUE], nnz)
         return self.kernel(self.queue, *launch_shape(job.sg.numel), *self._arguments(slot, job))
 
     def _put(self, item: Any) -> None:
@@ -248,7 +246,7 @@ class NearStorageDevice:
                 typed_view(slot.host[spec.kind], torch.float32, sg.numel).fill_(spec.init)
             else:
                 reads.append(self.store.read(spec.kind, sg.key, slot.host[spec.kind], sg.numel * 4))
-        grad = typed_view(slot.host["grad"], self.grad_dtype, sg.numel)
+        grad = typed_view(slot.host[GRAD], self.grad_dtype, sg.numel)
         if job.sparse is not None:  # compressed: indices and values over the host link, scattered on the device
             nnz = job.sparse.indices.numel()
             typed_view(slot.host[INDEX], torch.int32, nnz).copy_(job.sparse.indices)
@@ -260,9 +258,9 @@ class NearStorageDevice:
                 self.store.counters.add(HOST_LINK, SQUARE, WRITE, nnz * job.sparse.squares.element_size())
         elif job.grad is not None:  # sent over the host link now
             grad.copy_(job.grad)
-            self.store.counters.add(HOST_LINK, "grad", WRITE, job.grad.numel() * job.grad.element_size())
+            self.store.counters.add(HOST_LINK, GRAD, WRITE, job.grad.numel() * job.grad.element_size())
         elif job.has_grad:  # written into this device's directory during backward; read over the device link
-            reads.append(self.store.read("grad", sg.key, slot.host["grad"], sg.numel * 4))
+            reads.append(self.store.read(GRAD, sg.key, slot.host[GRAD], sg.numel * 4))
         else:
             grad.zero_()
         return reads
@@ -271,7 +269,7 @@ class NearStorageDevice:
         b = slot.buffers
         state = [b[kind] for kind in self.rule.state_kinds if kind != LAST_STEP]  # the dense kernels' state
         common = [np.uint32(job.sg.numel), np.float32(job.ctx.inv_scale), np.float32(job.ctx.clip_coef)]
-        return [b[MASTER], *state, b["grad"], b["param"], *common, *job.kernel_args]
+        return [b[MASTER], *state, b[GRAD], b[PARAM], *common, *job.kernel_args]
 
     def _finish(self, slot: _Slot, event: Any) -> None:
         """Kernel done: parameters back to the trainer first, then the deferred state write-back."""
@@ -279,7 +277,7 @@ class NearStorageDevice:
         slot.map(self.cl, self.queue)
         sg = slot.sg
         assert sg is not None
-        params = typed_view(slot.host["param"], self.param_dtype, sg.numel).clone()
+        params = typed_view(slot.host[PARAM], self.param_dtype, sg.numel).clone()
         self.store.counters.add(HOST_LINK, UPDATED, READ, params.numel() * params.element_size())
         self._put((sg, params))
         for kind in (MASTER, *self.rule.state_kinds):
@@ -338,8 +336,8 @@ class SmartUpdater:
         for sg in layout.subgroups:
             owned[sg.index % len(specs)] += align_up(sg.numel * 4) * (1 + len(rule.states) + grads_on_device)
         for k, spec in enumerate(specs):
-            directory = Path(spec.path).expanduser().resolve() if spec.path else root / f"device{k}"
-            store = make_store(directory, f"device{k}", owned[k])
+            directory = Path(spec.path).expanduser().resolve() if spec.path else root / device_link(k)
+            store = make_store(directory, device_link(k), owned[k])
             compression = compressor.cfg if compressor is not None else None
             self.devices.append(NearStorageDevice(k, spec, directory, rule, store, layout.max_subgroup_numel,
                                                   wire_dtype, compression))  # fmt: skip

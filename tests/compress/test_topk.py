@@ -9,8 +9,7 @@ import torch
 
 from lightning_smartinf.compress.topk import TopKCompressor, max_nnz
 from lightning_smartinf.config import CompressionConfig
-from lightning_smartinf.engine.layout import Layout, Subgroup
-from lightning_smartinf.update.base import StepContext
+from lightning_smartinf.core import Layout, StepContext, Subgroup
 
 CTX = StepContext(1, [])
 

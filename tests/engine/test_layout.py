@@ -6,7 +6,8 @@ import pytest
 import torch
 from conftest import TINY
 
-from lightning_smartinf.engine.layout import ELEMENT_ALIGN, build_layout
+from lightning_smartinf.core import ELEMENT_ALIGN
+from lightning_smartinf.engine.layout import build_layout
 from lightning_smartinf.models.gpt import GPT
 from lightning_smartinf.schedule.horizontal import find_blocks
 

@@ -1,0 +1,77 @@
+"""The package's layers import one way (docs/architecture.md): every import of a package module, including those
+under ``TYPE_CHECKING`` and inside functions, read from the source's syntax tree."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "lightning_smartinf"
+
+BOTTOM = {"core", "errors", "trace"}
+"""Modules that import nothing of the package."""
+
+FORBIDDEN: dict[str, set[str]] = {
+    "storage": {"engine", "update", "compress", "schedule", "checkpoint", "config", "strategy", "precision"},
+    "update": {"engine", "schedule", "checkpoint", "strategy", "precision"},
+    "compress": {"engine", "update", "schedule", "checkpoint", "strategy", "precision"},
+    "schedule": {"engine", "update", "compress", "checkpoint", "strategy", "precision"},
+    "checkpoint": {"engine", "update", "compress", "schedule", "strategy", "precision"},
+    "engine": {"strategy", "precision", "monitor", "timeline", "cli", "bench", "models", "data"},
+}
+"""For each layer, the parts of the package it must not import (those above it, and its siblings)."""
+
+
+def _imports(path: Path) -> set[str]:
+    """The package modules ``path`` imports, as dotted names below ``lightning_smartinf``."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names: list[str] = []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        for name in names:
+            if name.startswith("lightning_smartinf."):
+                found.add(name.removeprefix("lightning_smartinf."))
+            elif name == "lightning_smartinf":
+                found.add("")
+    return found
+
+
+def _modules() -> list[tuple[str, Path]]:
+    return [(".".join(p.relative_to(PACKAGE).with_suffix("").parts), p) for p in sorted(PACKAGE.rglob("*.py"))]
+
+
+def _top(name: str) -> str:
+    return name.split(".")[0]
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_layer_imports_nothing_above_it(layer: str) -> None:
+    wrong = [
+        f"{module} imports {target}"
+        for module, path in _modules()
+        if _top(module) == layer
+        for target in _imports(path)
+        if _top(target) in FORBIDDEN[layer]
+    ]
+    assert not wrong, wrong
+
+
+def test_bottom_modules_import_nothing_of_the_package() -> None:
+    wrong = {module: sorted(_imports(path)) for module, path in _modules() if module in BOTTOM and _imports(path)}
+    assert not wrong, wrong
+
+
+def test_the_checker_sees_every_kind_of_import(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\nimport lightning_smartinf.engine.engine\n"
+        "from lightning_smartinf.update import smart\nif TYPE_CHECKING:\n    from lightning_smartinf.config import X\n"
+        "def f():\n    from lightning_smartinf.schedule.vertical import Y\n"
+    )
+    found = {_top(name) for name in _imports(source)}
+    assert found == {"engine", "update", "config", "schedule"}
