@@ -71,7 +71,7 @@ class SmartInfinityPrecision(Precision):
         closure_result = closure()
         self._after_closure(model, optimizer)
         if closure_result is None and model.automatic_optimization:
-            self.engine.grads.reset()  # training_step returned None: Lightning skipped backward, so no step
+            self.engine.discard_gradients()  # training_step returned None: Lightning skipped backward, so no step
             return None
         self.engine.step()
         return closure_result
@@ -89,7 +89,7 @@ class SmartInfinityPrecision(Precision):
             raise ConfigError(
                 "smart_infinity clips by the global gradient norm only: use gradient_clip_algorithm='norm'"
             )
-        self.engine.clip_norm = float(clip_val)
+        self.engine.configure_step(clip_norm=float(clip_val))
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -292,7 +292,7 @@ class SmartInfinityStrategy(ParallelStrategy):
                 "schedule=vertical accumulates over schedule.micro_batches inside each batch: leave "
                 f"accumulate_grad_batches at 1 (got {trainer.accumulate_grad_batches})"
             )
-        self.engine.overlap = s.overlap
+        self.engine.configure_step(overlap=s.overlap)
         if s.eager_update and (trainer.gradient_clip_val or self.engine.scaler is not None):
             raise ConfigError(
                 "schedule.eager_update starts block updates before backward ends, so it cannot honour "
@@ -345,7 +345,7 @@ class SmartInfinityStrategy(ParallelStrategy):
                 loss = self.vertical.run(module, args[0])  # type: ignore[arg-type]
             module.log("train_loss", loss, prog_bar=True)
         precision.backward_done = True  # Lightning's backward call that follows has nothing left to do
-        self.engine.micro_batches += 1
+        self.engine.count_micro_batch()
         return loss
 
     @override

@@ -75,3 +75,27 @@ def test_the_checker_sees_every_kind_of_import(tmp_path: Path) -> None:
     )
     found = {_top(name) for name in _imports(source)}
     assert found == {"engine", "update", "config", "schedule"}
+
+
+def _engine_writes(path: Path) -> list[str]:
+    """Assignments to an attribute of something named ``engine`` (``engine.x = ``, ``self.engine.x += ``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign):
+            targets = [node.target]
+        for target in targets:
+            if isinstance(target, ast.Attribute):
+                owner = target.value
+                name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+                if name == "engine":
+                    found.append(f"{path.name}:{node.lineno} sets engine.{target.attr}")
+    return found
+
+
+def test_only_the_engine_writes_its_state() -> None:
+    """Callers configure the engine through its methods (configure_step, count_micro_batch, discard_gradients)."""
+    wrong = [w for module, path in _modules() if _top(module) != "engine" for w in _engine_writes(path)]
+    assert not wrong, wrong

@@ -349,6 +349,23 @@ class OffloadEngine:
                 slot.param.grad = None
 
     # -- training ---------------------------------------------------------------------------------------------------
+    def configure_step(self, *, overlap: float | None = None, clip_norm: float | None = None) -> None:
+        """Set how the next steps run: the share of each step overlapped with the next forward
+        (``schedule.overlap``), and the global gradient norm to clip to (Lightning's ``gradient_clip_val``)."""
+        if overlap is not None:
+            self.overlap = overlap
+        if clip_norm is not None:
+            self.clip_norm = clip_norm
+
+    def count_micro_batch(self) -> None:
+        """One more micro-batch's gradients accumulated (a schedule that ran its own backward)."""
+        self.micro_batches += 1
+
+    def discard_gradients(self) -> None:
+        """Drop what was accumulated since the last step (Lightning skipped the step: training_step returned None)."""
+        self.grads.reset()
+        self.micro_batches = 0
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scaler.scale if self.scaler is not None else loss
 
