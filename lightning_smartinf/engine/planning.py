@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
 
-from lightning_smartinf.schedule.planner import Workload
+from lightning_smartinf.schedule.planner import Plan, Workload, measure_machine, plan
 from lightning_smartinf.update.optimizers import torch_update
 from lightning_smartinf.update.smart import SmartUpdater
 
 if TYPE_CHECKING:
     from lightning_smartinf.engine.engine import OffloadEngine
+
+log = logging.getLogger(__name__)
 
 
 def workload_of(engine: OffloadEngine, batch: torch.Tensor, checkpoint_bytes_per_sample: int) -> Workload:
@@ -70,3 +76,19 @@ def memory_budget(device: torch.device, share: float = 0.25) -> int:
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * share)
     return int(psutil.virtual_memory().available * share)
+
+
+def plan_schedule(engine: OffloadEngine, vertical_pre: Callable[[torch.Tensor], torch.Tensor], batch: torch.Tensor,
+                  forward_context: Callable[[], AbstractContextManager[Any]]) -> Plan:  # fmt: skip
+    """``schedule=auto``: the vertical schedule for ``batch``, planned from short measurements of this machine and
+    of the model's own blocks on the batch's hidden states."""
+    with torch.no_grad(), forward_context():
+        hidden = vertical_pre(batch)
+        flops = block_flops(engine, hidden)
+    boundaries = len(engine.layout.streamed) + 1
+    work = workload_of(engine, batch, hidden[0].numel() * hidden.element_size() * boundaries)
+    machine = measure_machine(engine.device, engine.root, engine.backend, update_rate(engine), engine.param_dtype,
+                              memory_budget(engine.device), memory_budget(torch.device("cpu")))  # fmt: skip
+    log.info("schedule=auto: the model's blocks run at %.3g TFLOP/s here (a 2048^3 matmul: %.3g)",
+             flops / 1e12, machine.flops / 1e12)  # fmt: skip
+    return plan(work, dataclasses.replace(machine, flops=min(flops, machine.flops)))

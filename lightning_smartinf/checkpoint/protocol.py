@@ -1,0 +1,129 @@
+"""The checkpoint protocol a strategy follows: save on one rank or many, verify before loading, unpublish before
+deleting. What goes into the directory comes from the caller (``write_state``), so this layer knows files and ranks,
+not the engine; collectives are torch.distributed's, used only with more than one rank."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_smartinf.checkpoint.files import fsync_directory
+from lightning_smartinf.checkpoint.manifest import (
+    ENGINE_STATE,
+    MANIFEST,
+    TRAINER_STATE,
+    CheckpointError,
+    CheckpointWriter,
+    Manifest,
+    verify_checkpoint,
+)
+from lightning_smartinf.errors import ConfigError
+from lightning_smartinf.storage.space import human_bytes
+
+log = logging.getLogger(__name__)
+
+WriteState = Callable[[CheckpointWriter, str], dict[str, Any]]
+"""Writes a rank's offloaded state under a prefix of the writer's directory; returns what to record of it."""
+
+
+def _broadcast(obj: Any) -> Any:
+    holder = [obj]
+    dist.broadcast_object_list(holder, 0)
+    return holder[0]
+
+
+def save(target: Path, trainer_state: bytes, step: int, nbytes: int, write_state: WriteState, rank: int = 0,
+         world: int = 1) -> tuple[Manifest | None, float]:  # fmt: skip
+    """Write checkpoint ``target`` (``nbytes``: this rank's state) so that it appears under that name only once
+    complete on every rank; return its manifest (on rank 0; None elsewhere) and the seconds it took."""
+    if world == 1:
+        with CheckpointWriter(target, nbytes + len(trainer_state)) as writer:
+            writer.write(TRAINER_STATE, trainer_state)
+            engine = write_state(writer, ENGINE_STATE)
+            manifest = writer.publish({"engine": engine, "global_step": step})
+        return manifest, writer.seconds
+    return _save_partitioned(target, trainer_state, step, nbytes, write_state, rank, world)
+
+
+def _save_partitioned(target: Path, trainer_state: bytes, step: int, nbytes: int, write_state: WriteState,
+                      rank: int, world: int) -> tuple[Manifest | None, float]:  # fmt: skip
+    """Every rank writes its slices under ``offload/rank{r}`` of rank 0's staging directory; rank 0 adds the
+    trainer state and publishes once all ranks' files are durable (a shared filesystem, as DeepSpeed assumes).
+    A failure on any rank fails the save on every rank and leaves the previous checkpoint in place."""
+    started = time.perf_counter()
+    sizes: list[int] = [0] * world
+    dist.all_gather_object(sizes, nbytes)
+    writer: CheckpointWriter | None = None
+    opened: tuple[Path | None, str | None] = (None, None)
+    if rank == 0:
+        try:
+            writer = CheckpointWriter(target, sum(sizes) + len(trainer_state))
+            opened = (writer.staging, None)
+        except Exception as err:  # noqa: BLE001 - reported on every rank below
+            opened = (None, f"{type(err).__name__}: {err}")
+    staging, failure = _broadcast(opened)
+    if staging is None:
+        raise CheckpointError(f"rank 0 could not start checkpoint {target}: {failure}")
+    part = writer or CheckpointWriter(target, sizes[rank], staging=staging)
+    result: tuple[Any, Any, str | None] = (None, None, None)
+    try:
+        meta = write_state(part, f"{ENGINE_STATE}/rank{rank}")
+        result = (part.finish(), meta, None)
+    except Exception as err:  # noqa: BLE001 - reported on every rank below
+        result = (None, None, f"rank {rank}: {type(err).__name__}: {err}")
+    results: list[Any] = [None] * world
+    dist.all_gather_object(results, result)
+    failures = [r[2] for r in results if r[2] is not None]
+    with part:
+        if failures:
+            raise CheckpointError(f"checkpoint {target} not written; the previous one is kept: {'; '.join(failures)}")
+        manifest = None
+        if writer is not None:
+            writer.write(TRAINER_STATE, trainer_state)
+            for files, _, _ in results[1:]:
+                writer.add(files)
+            manifest = writer.publish({"ranks": [r[1] for r in results], "world_size": world, "global_step": step})
+    dist.barrier()  # the checkpoint exists for every rank once save returns
+    return manifest, time.perf_counter() - started
+
+
+def remove(path: Path) -> None:
+    """Unpublish first (drop the manifest), then delete: a kill halfway leaves no half checkpoint that looks
+    complete."""
+    (path / MANIFEST).unlink(missing_ok=True)
+    if path.is_dir():
+        fsync_directory(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def open_checkpoint(path: Path, rank: int = 0, world: int = 1) -> Manifest:
+    """Verify every file this rank will read (the shared ones and its own slice) against the manifest, and check
+    the checkpoint was partitioned for ``world`` ranks."""
+    started = time.perf_counter()
+    mine, others = f"{ENGINE_STATE}/rank{rank}/", f"{ENGINE_STATE}/rank"
+    manifest = verify_checkpoint(path, lambda relative: relative.startswith(mine) or not relative.startswith(others))
+    part = "this rank's slice and the shared files" if world > 1 else f"{len(manifest.files)} files"
+    log.info(
+        "smart_infinity: verified %s of %s (%s in all) in %.2f s", part, manifest.path,
+        human_bytes(manifest.nbytes), time.perf_counter() - started,
+    )  # fmt: skip
+    saved_world = manifest.meta.get("world_size", 1)
+    if saved_world != world:
+        raise ConfigError(
+            f"checkpoint {manifest.path} holds the state of {saved_world} rank(s), partitioned for that many; "
+            f"this run has {world}: resume with devices x num_nodes = {saved_world}"
+        )
+    return manifest
+
+
+def rank_state(manifest: Manifest, rank: int = 0, world: int = 1) -> tuple[str, dict[str, Any]]:
+    """Where this rank's offloaded state lies in the checkpoint, and what was recorded of it."""
+    if world > 1:
+        return f"{ENGINE_STATE}/rank{rank}", manifest.meta["ranks"][rank]
+    return ENGINE_STATE, manifest.meta["engine"]
