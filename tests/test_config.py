@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import fit, make_module
+from helpers import fit, make_module
 
 from lightning_smartinf.config import OffloadConfig, coerce
 from lightning_smartinf.strategy import SmartInfinityStrategy

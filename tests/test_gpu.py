@@ -9,7 +9,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import make_module, relative_error, token_loader
+from helpers import make_module, relative_error, token_loader
 
 from lightning_smartinf import SmartInfinityStrategy
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import fit, make_module, relative_error, token_loader
+from helpers import fit, make_module, relative_error, token_loader
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 import lightning_smartinf

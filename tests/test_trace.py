@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import fit, make_module, token_loader
+from helpers import fit, make_module, token_loader
 
 from lightning_smartinf import trace
 from lightning_smartinf.timeline import Trace

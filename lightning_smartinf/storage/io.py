@@ -16,7 +16,6 @@ import queue
 import resource
 import threading
 import uuid
-import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -57,11 +56,10 @@ class RequestQueue:
 
     Compute waits on a few reads (a block's parameters, a checkpoint) while the optimizer step keeps a long queue of
     state reads and writes in flight; a plain FIFO pool would put those few behind the step's whole queue. Workers are
-    daemon threads, so a queue nobody closed cannot hold the interpreter open; at exit every live queue is drained
-    first (as ``concurrent.futures`` does), so a write already submitted is not lost."""
+    daemon threads, so a queue nobody closed cannot hold the interpreter open; each open queue registers its own
+    ``close`` to run at exit (as ``concurrent.futures`` drains its pools), so a write already submitted is not lost."""
 
     _URGENT, _NORMAL, _STOP = 0, 1, 2
-    _live: weakref.WeakSet[RequestQueue] = weakref.WeakSet()
 
     def __init__(self, threads: int, name: str) -> None:
         self._queue: queue.PriorityQueue[tuple[int, int, Future[None] | None, Callable[[], None] | None]] = (
@@ -72,7 +70,7 @@ class RequestQueue:
         self._closed = False
         for thread in self._threads:
             thread.start()
-        self._live.add(self)
+        atexit.register(self.close)
 
     def submit(self, work: Callable[[], None], urgent: bool) -> Future[None]:
         future: Future[None] = Future()
@@ -98,17 +96,11 @@ class RequestQueue:
         if self._closed:
             return
         self._closed = True
-        self._live.discard(self)
+        atexit.unregister(self.close)
         for _ in self._threads:
             self._queue.put((self._STOP, next(self._order), None, None))
         for thread in self._threads:
             thread.join()
-
-
-@atexit.register
-def _drain_request_queues() -> None:
-    for requests in list(RequestQueue._live):
-        requests.close()
 
 
 def supports_o_direct(directory: Path) -> bool:

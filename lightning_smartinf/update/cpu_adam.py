@@ -13,6 +13,7 @@ from lightning_smartinf.ops import load_op
 
 log = logging.getLogger(__name__)
 _ids = itertools.count(10_000)
+"""Optimizer ids for the op's table, which is one per process (a C++ global): ids are unique per process too."""
 
 
 class DeepSpeedCPUAdamKernel:

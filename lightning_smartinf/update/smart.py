@@ -16,7 +16,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -126,26 +126,77 @@ class _Slot:
         self.host = {}
 
 
-@dataclass
-class _Job:
+# -- the transfer handler's messages ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SentGradient:
+    """The subgroup's gradient from host memory, sent over the host link with the job (in the wire dtype)."""
+
+    values: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StoredGradient:
+    """The gradient already sits in the device's own directory (written during backward): read over its link."""
+
+
+@dataclass(frozen=True)
+class NoGradient:
+    """No gradient reached the subgroup since the last step: it steps with zeros."""
+
+
+Gradient = SentGradient | StoredGradient | NoGradient | SparseGradient
+"""How a job's gradient reaches the device (SparseGradient: SmartComp's top-k, scattered on the device)."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """Update one subgroup: its gradient, the step's context and the kernel's scalars for its param group."""
+
     sg: Subgroup
-    grad: torch.Tensor | None
-    """The gradient sent from host memory, or None when it already sits in the device's directory."""
-    has_grad: bool
+    gradient: Gradient
     ctx: StepContext
-    sparse: SparseGradient | None
-    kernel_args: list[Any] = field(default_factory=list)
+    scalars: list[Any]
 
 
-_STOP: Any = object()
-"""Put in a device's inbox by ``close``: its transfer handler ends."""
+@dataclass(frozen=True)
+class EndOfStep:
+    """No more jobs this step: finish the one in flight, then say ``StepFinished``."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    """``close``: the transfer handler ends."""
+
+
+@dataclass(frozen=True)
+class Updated:
+    """A subgroup's new parameters (in the wire dtype), sent back over the host link."""
+
+    sg: Subgroup
+    params: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StepFinished:
+    device: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    device: int
+    error: BaseException
+
+
+Inbound = Job | EndOfStep | Stop
+Outbound = Updated | StepFinished | Failed
 
 
 class NearStorageDevice:
     """An OpenCL device, the directory it owns, and a worker thread running its transfer handler."""
 
     def __init__(self, index: int, spec: DeviceSpec, directory: Path, rule: OptimizerRule, store: FileStore,
-                 max_numel: int, wire_dtype: torch.dtype, compression: CompressionConfig | None) -> None:  # fmt: skip
+                 max_numel: int, wire_dtype: torch.dtype, compression: CompressionConfig | None,
+                 outbox: queue.Queue[Outbound]) -> None:  # fmt: skip
         """``wire_dtype`` is both the gradient's dtype in and the parameters' dtype out."""
         import pyopencl as cl
 
@@ -173,8 +224,10 @@ class NearStorageDevice:
         for slot in self.slots:
             slot.map(cl, self.queue)
         self.grad_dtype, self.param_dtype = grad_dtype, param_dtype
-        self.inbox: queue.Queue[_Job | None] = queue.Queue(maxsize=1)
-        self.outbox: queue.Queue[tuple[Subgroup, torch.Tensor] | BaseException] | None = None
+        self.inbox: queue.Queue[Inbound] = queue.Queue(maxsize=1)
+        """One job at a time: the trainer's hand-off blocks while the device holds a job it has not started."""
+        self.outbox = outbox
+        """Shared by the updater's devices; never bounded, so the handler never waits on the trainer."""
         self.link = device_link(index)
         self._thread = threading.Thread(target=self._run, name=f"smartinf-{self.link}", daemon=True)
         self._thread.start()
@@ -193,14 +246,14 @@ class NearStorageDevice:
         turn = 0
         while True:
             job = self.inbox.get()
-            if job is _STOP:
+            if isinstance(job, Stop):
                 return
             try:
-                if job is None:  # end of a step: finish the subgroup in flight
+                if isinstance(job, EndOfStep):  # finish the subgroup in flight
                     if previous is not None:
                         self._finish(*previous)
                         previous = None
-                    self._put("done")
+                    self.outbox.put(StepFinished(self.index))
                     continue
                 slot = self.slots[turn % 2]
                 turn += 1
@@ -214,16 +267,17 @@ class NearStorageDevice:
                 previous = (slot, self._launch(slot, job))
             except BaseException as err:  # noqa: BLE001 - surfaced to the trainer's thread
                 previous = None
-                self._put(err)
+                self.outbox.put(Failed(self.index, err))
 
-    def _launch(self, slot: _Slot, job: _Job) -> Any:
+    def _launch(self, slot: _Slot, job: Job) -> Any:
         """Enqueue the subgroup's kernels (one in-order queue) and return the last one's event."""
         b, n = slot.buffers, np.uint32(job.sg.numel)
-        if job.sparse is None:
+        sparse = job.gradient
+        if not isinstance(sparse, SparseGradient):
             return self.kernel(self.queue, *launch_shape(job.sg.numel), *self._arguments(slot, job))
-        nnz = np.uint32(job.sparse.indices.numel())
-        if job.sparse.squares is not None:  # catch-up: decay every element, then move the received ones
-            decay, *args = job.kernel_args
+        nnz = np.uint32(sparse.indices.numel())
+        if sparse.squares is not None:  # catch-up: decay every element, then move the received ones
+            decay, *args = job.scalars
             self.decay(self.queue, (job.sg.numel,), None, b[MASTER], b[PARAM], n, decay)
             state = [b[kind] for kind in self.rule.state_kinds]  # exp_avg, exp_avg_sq, last_step
             return self.catch_up(self.queue, (int(nnz),), None, b[MASTER], *state, b[PARAM], n, b[INDEX],
@@ -233,11 +287,7 @@ class NearStorageDevice:
         self.scatter(self.queue, (int(nnz),), None, b[GRAD], n, b[INDEX], b[VALUE], nnz)
         return self.kernel(self.queue, *launch_shape(job.sg.numel), *self._arguments(slot, job))
 
-    def _put(self, item: Any) -> None:
-        assert self.outbox is not None
-        self.outbox.put(item)
-
-    def _load(self, slot: _Slot, job: _Job) -> list[Future[None]]:
+    def _load(self, slot: _Slot, job: Job) -> list[Future[None]]:
         sg, first = job.sg, job.ctx.step == 1
         slot.sg = sg
         reads = [self.store.read(MASTER, sg.key, slot.host[MASTER], sg.numel * 4)]
@@ -247,29 +297,30 @@ class NearStorageDevice:
             else:
                 reads.append(self.store.read(spec.kind, sg.key, slot.host[spec.kind], sg.numel * 4))
         grad = typed_view(slot.host[GRAD], self.grad_dtype, sg.numel)
-        if job.sparse is not None:  # compressed: indices and values over the host link, scattered on the device
-            nnz = job.sparse.indices.numel()
-            typed_view(slot.host[INDEX], torch.int32, nnz).copy_(job.sparse.indices)
-            typed_view(slot.host[VALUE], job.sparse.values.dtype, nnz).copy_(job.sparse.values)
-            self.store.counters.add(HOST_LINK, INDEX, WRITE, nnz * 4)
-            self.store.counters.add(HOST_LINK, VALUE, WRITE, nnz * job.sparse.values.element_size())
-            if job.sparse.squares is not None:
-                typed_view(slot.host[SQUARE], job.sparse.squares.dtype, nnz).copy_(job.sparse.squares)
-                self.store.counters.add(HOST_LINK, SQUARE, WRITE, nnz * job.sparse.squares.element_size())
-        elif job.grad is not None:  # sent over the host link now
-            grad.copy_(job.grad)
-            self.store.counters.add(HOST_LINK, GRAD, WRITE, job.grad.numel() * job.grad.element_size())
-        elif job.has_grad:  # written into this device's directory during backward; read over the device link
-            reads.append(self.store.read(GRAD, sg.key, slot.host[GRAD], sg.numel * 4))
-        else:
-            grad.zero_()
+        match job.gradient:
+            case SparseGradient() as sparse:  # indices and values over the host link, scattered on the device
+                nnz = sparse.indices.numel()
+                typed_view(slot.host[INDEX], torch.int32, nnz).copy_(sparse.indices)
+                typed_view(slot.host[VALUE], sparse.values.dtype, nnz).copy_(sparse.values)
+                self.store.counters.add(HOST_LINK, INDEX, WRITE, nnz * 4)
+                self.store.counters.add(HOST_LINK, VALUE, WRITE, nnz * sparse.values.element_size())
+                if sparse.squares is not None:
+                    typed_view(slot.host[SQUARE], sparse.squares.dtype, nnz).copy_(sparse.squares)
+                    self.store.counters.add(HOST_LINK, SQUARE, WRITE, nnz * sparse.squares.element_size())
+            case SentGradient(values):  # over the host link now
+                grad.copy_(values)
+                self.store.counters.add(HOST_LINK, GRAD, WRITE, values.numel() * values.element_size())
+            case StoredGradient():  # written into this device's directory during backward; read over its own link
+                reads.append(self.store.read(GRAD, sg.key, slot.host[GRAD], sg.numel * 4))
+            case NoGradient():
+                grad.zero_()
         return reads
 
-    def _arguments(self, slot: _Slot, job: _Job) -> list[Any]:
+    def _arguments(self, slot: _Slot, job: Job) -> list[Any]:
         b = slot.buffers
         state = [b[kind] for kind in self.rule.state_kinds if kind != LAST_STEP]  # the dense kernels' state
         common = [np.uint32(job.sg.numel), np.float32(job.ctx.inv_scale), np.float32(job.ctx.clip_coef)]
-        return [b[MASTER], *state, b[GRAD], b[PARAM], *common, *job.kernel_args]
+        return [b[MASTER], *state, b[GRAD], b[PARAM], *common, *job.scalars]
 
     def _finish(self, slot: _Slot, event: Any) -> None:
         """Kernel done: parameters back to the trainer first, then the deferred state write-back."""
@@ -279,7 +330,7 @@ class NearStorageDevice:
         assert sg is not None
         params = typed_view(slot.host[PARAM], self.param_dtype, sg.numel).clone()
         self.store.counters.add(HOST_LINK, UPDATED, READ, params.numel() * params.element_size())
-        self._put((sg, params))
+        self.outbox.put(Updated(sg, params))
         for kind in (MASTER, *self.rule.state_kinds):
             slot.writes.append(self.store.write(kind, sg.key, slot.host[kind], sg.numel * 4))
 
@@ -289,7 +340,7 @@ class NearStorageDevice:
 
     def close(self) -> None:
         """Stop the transfer handler, then free the slots (their memory is page-locked)."""
-        self.inbox.put(_STOP)
+        self.inbox.put(Stop())
         self._thread.join()
         for slot in self.slots:
             slot.close(self.queue)
@@ -332,6 +383,7 @@ class SmartUpdater:
         self.counters = counters
         self.wire_dtype = wire_dtype
         self.devices: list[NearStorageDevice] = []
+        self.outbox: queue.Queue[Outbound] = queue.Queue()
         owned = [0] * len(specs)
         for sg in layout.subgroups:
             owned[sg.index % len(specs)] += align_up(sg.numel * 4) * (1 + len(rule.states) + grads_on_device)
@@ -340,7 +392,7 @@ class SmartUpdater:
             store = make_store(directory, device_link(k), owned[k])
             compression = compressor.cfg if compressor is not None else None
             self.devices.append(NearStorageDevice(k, spec, directory, rule, store, layout.max_subgroup_numel,
-                                                  wire_dtype, compression))  # fmt: skip
+                                                  wire_dtype, compression, self.outbox))  # fmt: skip
         self._routes = {sg.key: self.owner(sg).host_view for sg in layout.subgroups}
         wire = "fp32" if wire_dtype == torch.float32 else str(wire_dtype).replace("torch.", "")
         self.name = f"smart ({len(self.devices)} OpenCL device(s): {self.devices[0].device.name}; {wire} on the wire)"
@@ -368,56 +420,52 @@ class SmartUpdater:
     def step(
         self, subgroups: Sequence[Subgroup], grads: GradientSource, ctx: StepContext
     ) -> Iterator[tuple[Subgroup, torch.Tensor]]:
-        outbox: queue.Queue[Any] = queue.Queue()
-        for device in self.devices:
-            device.outbox = outbox
         compressor = self.compressor if self.compressor and ctx.step > self.compressor.cfg.warmup_steps else None
         if compressor is not None and compressor.cfg.catch_up:  # every job this step runs the catch-up kernels
             start = compressor.cfg.warmup_steps
-            scalars = [catch_up_scalars(self.rule, hyper, ctx.step, start) for hyper in ctx.hyper]
+            scalar_sets = [catch_up_scalars(self.rule, hyper, ctx.step, start) for hyper in ctx.hyper]
         else:
-            scalars = [kernel_scalars(self.rule, hyper, ctx.step) for hyper in ctx.hyper]
+            scalar_sets = [kernel_scalars(self.rule, hyper, ctx.step) for hyper in ctx.hyper]
         pending = 0
         grads.sync()
         for sg in subgroups:
+            scalars = scalar_sets[sg.param_group]
             if self.grads_on_device:
                 grads.sync()  # its gradient file is complete (subgroups may arrive while backward still runs)
-                job = _Job(sg, None, grads.holds(sg), ctx, None, scalars[sg.param_group])
+                job = Job(sg, StoredGradient() if grads.holds(sg) else NoGradient(), ctx, scalars)
             else:
                 grad = grads.fetch(sg).result()
                 if compressor is not None:
-                    job = _Job(sg, None, True, ctx, compressor.compress(sg, grad, ctx), scalars[sg.param_group])
+                    job = Job(sg, compressor.compress(sg, grad, ctx), ctx, scalars)
                 else:
-                    job = _Job(sg, grad.to(self.wire_dtype, copy=True), True, ctx, None, scalars[sg.param_group])
+                    job = Job(sg, SentGradient(grad.to(self.wire_dtype, copy=True)), ctx, scalars)
                 grads.release(sg)
-            device = self.owner(sg)
-            while True:  # hand the job over, yielding finished subgroups while the device is busy
-                try:
-                    device.inbox.put(job, timeout=0.005)
-                    break
-                except queue.Full:
-                    while not outbox.empty():
-                        pending -= 1
-                        yield self._unwrap(outbox.get())
+            self.owner(sg).inbox.put(job)  # blocks while that device still holds a job it has not started
             pending += 1
+            while pending and not self.outbox.empty():  # what finished meanwhile goes back to the trainer now
+                pending -= 1
+                yield self._receive(self.outbox.get())
         for device in self.devices:
-            device.inbox.put(None)
+            device.inbox.put(EndOfStep())
         finished = 0
         while finished < len(self.devices) or pending:
-            item = outbox.get()
-            if item == "done":
+            message = self.outbox.get()
+            if isinstance(message, StepFinished):
                 finished += 1
                 continue
             pending -= 1
-            yield self._unwrap(item)
+            yield self._receive(message)
         for device in self.devices:  # the step is durable (and write errors surface) before it returns
             device.drain()
 
     @staticmethod
-    def _unwrap(item: Any) -> tuple[Subgroup, torch.Tensor]:
-        if isinstance(item, BaseException):
-            raise RuntimeError(f"a near-storage device failed: {item}") from item
-        return item  # type: ignore[no-any-return]
+    def _receive(message: Outbound) -> tuple[Subgroup, torch.Tensor]:
+        match message:
+            case Updated(sg, params):
+                return sg, params
+            case Failed(device, error):
+                raise RuntimeError(f"near-storage device {device} failed: {error}") from error
+        raise AssertionError(f"unexpected {message} before the step's end")
 
     def read_master(self, sg: Subgroup) -> torch.Tensor:
         raw = aligned_bytes(sg.numel * 4)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import fit, make_module
+from helpers import fit, make_module
 
 from lightning_smartinf.cli.export import main as export_main
 from lightning_smartinf.models.gpt import GPTModule

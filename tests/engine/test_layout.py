@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY
+from helpers import TINY
 
 from lightning_smartinf.core import ELEMENT_ALIGN
 from lightning_smartinf.engine.layout import build_layout

@@ -13,7 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import TINY, fit, make_module, relative_error
+from helpers import TINY, fit, make_module, relative_error
 from safetensors.torch import save_file
 from torch import nn
 
@@ -57,7 +57,7 @@ def test_init_module_empty_init_trains_from_the_module_init(smart: Any) -> None:
     torch.manual_seed(0)  # the init draws happen at set-up: the same RNG start as the eager build
     fit(reference, max_steps=3)
     torch.manual_seed(0)
-    trainer.fit(module, __import__("conftest").token_loader())
+    trainer.fit(module, __import__("helpers").token_loader())
     assert relative_error(dict(module.named_parameters()), reference) < 1e-5
 
 

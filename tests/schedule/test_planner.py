@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import fit, make_module, token_loader
+from helpers import fit, make_module, token_loader
 
 from lightning_smartinf.schedule.planner import Machine, Workload, plan, predict
 from lightning_smartinf.strategy import SmartInfinityStrategy

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import fit, make_module, token_loader
+from helpers import fit, make_module, token_loader
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_smartinf.strategy import SmartInfinityStrategy
@@ -166,7 +166,7 @@ def test_vertical_replays_dropout(tmp_path: Path, protocol: bool) -> None:
     module's own training_step runs parked at every block."""
     from dataclasses import replace
 
-    from conftest import TINY
+    from helpers import TINY
 
     from lightning_smartinf.models.gpt import GPTModule
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import aio_is_pinned
+from helpers import aio_is_pinned
 
 from lightning_smartinf.storage.aligned import BufferPool, aligned_bytes, typed_view
 from lightning_smartinf.storage.counters import READ, WRITE, TrafficCounters

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import fit, make_module
+from helpers import fit, make_module
 
 from lightning_smartinf.storage.lock import StateDirectoryBusyError, StateLock
 

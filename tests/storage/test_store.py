@@ -8,7 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import fit, make_module, token_loader
+from helpers import fit, make_module, token_loader
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_smartinf import SmartInfinityStrategy

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import aio_is_pinned, fit, make_module, relative_error, token_loader
+from helpers import aio_is_pinned, fit, make_module, relative_error, token_loader
 
 from lightning_smartinf.cli.traffic import Scenario, iteration_traffic
 from lightning_smartinf.models.gpt import GPTConfig

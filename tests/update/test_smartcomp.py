@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import fit, make_module, relative_error, token_loader
+from helpers import fit, make_module, relative_error, token_loader
 
 from lightning_smartinf.strategy import SmartInfinityStrategy
 
