@@ -8,6 +8,7 @@ SmartSSD the same kernels come from an xclbin built offline with Xilinx v++ and 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,35 @@ from lightning_smartinf.resources import asset_dir
 
 KERNEL_SOURCE = "optimizers.cl"
 SPARSE_SOURCE = "sparse.cl"
+_SIGNATURE = re.compile(r"__kernel\s+void\s+(\w+)\s*\(([^)]*)\)")
+
+
+def kernel_signatures(source_name: str) -> dict[str, tuple[str, ...]]:
+    """Each ``__kernel``'s parameter names, in order, as ``fpga_kernels/<source_name>`` declares them."""
+    source = (asset_dir("fpga_kernels") / source_name).read_text()
+    return {m.group(1): tuple(re.sub(r"[*\s]+", " ", arg).split()[-1] for arg in m.group(2).split(","))
+            for m in _SIGNATURE.finditer(source)}  # fmt: skip
+
+
+class NamedKernel:
+    """A kernel called by argument name: the host's table of names is checked against the kernel's signature when
+    the program is built, and each call is ordered by it, so host and kernel cannot drift apart by position."""
+
+    def __init__(self, program: Any, name: str, source_name: str, arguments: tuple[str, ...]) -> None:
+        declared = kernel_signatures(source_name).get(name)
+        if declared != arguments:
+            raise SetupError(
+                f"update=smart: kernel {name} in fpga_kernels/{source_name} takes ({', '.join(declared or ())}) but "
+                f"the host passes ({', '.join(arguments)}): change update/smart.py's KERNEL_ARGUMENTS with the kernel"
+            )
+        self.name, self.arguments, self.kernel = name, arguments, getattr(program, name)
+
+    def __call__(self, queue: Any, global_size: tuple[int, ...], local_size: tuple[int, ...] | None,
+                 **values: Any) -> Any:  # fmt: skip
+        if values.keys() != set(self.arguments):
+            missing, extra = set(self.arguments) - values.keys(), values.keys() - set(self.arguments)
+            raise TypeError(f"kernel {self.name}: missing {sorted(missing)}, unexpected {sorted(extra)}")
+        return self.kernel(queue, global_size, local_size, *(values[name] for name in self.arguments))
 DEFAULT_PLATFORM = "Portable Computing Language"
 FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 VECTOR_WIDTH = 8

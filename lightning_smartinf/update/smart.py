@@ -32,8 +32,10 @@ from lightning_smartinf.storage.counters import READ, WRITE, TrafficCounters
 from lightning_smartinf.storage.store import FileStore, RoutedStore
 from lightning_smartinf.update.base import GradientSource
 from lightning_smartinf.update.opencl import (
+    KERNEL_SOURCE,
     SPARSE_SOURCE,
     DeviceSpec,
+    NamedKernel,
     build_program,
     ensure_pocl_devices,
     find_device,
@@ -45,6 +47,25 @@ UPDATED = "updated_param"
 INDEX, VALUE, SQUARE = "grad_index", "grad_value", "grad_square"
 """Kinds of a compressed gradient on the host link."""
 """Kind of the parameters a device sends back (Smart-Infinity's 'updated params' on the host link)."""
+
+
+DENSE = ("master", "grad", "param_out", "n", "inv_scale", "clip_coef")
+"""The dense kernels' common arguments; their optimizer state comes between master and grad, their
+hyper-parameters (``kernel_scalars``, in order) after clip_coef."""
+KERNEL_ARGUMENTS: dict[str, tuple[str, ...]] = {
+    "adam": ("master", "exp_avg", "exp_avg_sq", "grad", "param_out", "n", "inv_scale", "clip_coef", "beta1_weight",
+             "beta2", "one_minus_beta2", "eps", "weight_decay", "decoupled", "decay", "step_size", "bc2_sqrt"),
+    "sgd": ("master", "momentum_buffer", "grad", "param_out", "n", "inv_scale", "clip_coef", "lr", "momentum",
+            "dampening_weight", "weight_decay", "nesterov", "first_step"),
+    "adagrad": ("master", "state_sum", "grad", "param_out", "n", "inv_scale", "clip_coef", "clr", "weight_decay",
+                "eps"),
+    "zero_fill": ("grad", "n"),
+    "scatter": ("grad", "n", "index", "value", "nnz"),
+    "adam_decay": ("master", "param_out", "n", "decay"),
+    "adam_catch_up": ("master", "exp_avg", "exp_avg_sq", "last_step", "param_out", "n", "index", "value", "square",
+                      "nnz", "beta1", "beta2", "eps", "l2", "step", "start", "step_size", "bc2_sqrt"),
+}  # fmt: skip
+"""Every kernel's arguments by name, in its signature's order (checked against fpga_kernels/ at build time)."""
 
 
 def kernel_scalars(rule: OptimizerRule, hyper: dict[str, Any], step: int) -> list[Any]:
@@ -210,13 +231,16 @@ class NearStorageDevice:
         self.context = cl.Context([self.device])
         self.queue = cl.CommandQueue(self.context)
         self.program = build_program(self.context, self.device, grad_dtype, param_dtype, spec.binary)
-        self.kernel = getattr(self.program, rule.name if rule.name != "adamw" else "adam")
+        dense = rule.name if rule.name != "adamw" else "adam"
+        self.kernel = NamedKernel(self.program, dense, KERNEL_SOURCE, KERNEL_ARGUMENTS[dense])
         nnz = 0
         if compression is not None:
             values = VALUE_DTYPES[compression.value_dtype]
             sparse = build_program(self.context, self.device, values, values, None, SPARSE_SOURCE)
-            self.zero_fill, self.scatter = sparse.zero_fill, sparse.scatter
-            self.decay, self.catch_up = sparse.adam_decay, sparse.adam_catch_up
+            self.zero_fill, self.scatter, self.decay, self.catch_up = (
+                NamedKernel(sparse, name, SPARSE_SOURCE, KERNEL_ARGUMENTS[name])
+                for name in ("zero_fill", "scatter", "adam_decay", "adam_catch_up")
+            )
             nnz = max_nnz(max_numel, compression)
         squares = compression is not None and compression.catch_up
         self.slots = [_Slot(cl, self.context, rule, max_numel, grad_dtype, param_dtype, nnz, squares,
@@ -274,18 +298,20 @@ class NearStorageDevice:
         b, n = slot.buffers, np.uint32(job.sg.numel)
         sparse = job.gradient
         if not isinstance(sparse, SparseGradient):
-            return self.kernel(self.queue, *launch_shape(job.sg.numel), *self._arguments(slot, job))
+            return self.kernel(self.queue, *launch_shape(job.sg.numel), **self._arguments(slot, job))
         nnz = np.uint32(sparse.indices.numel())
+        received = {"index": b[INDEX], "value": b[VALUE], "nnz": nnz}
         if sparse.squares is not None:  # catch-up: decay every element, then move the received ones
-            decay, *args = job.scalars
-            self.decay(self.queue, (job.sg.numel,), None, b[MASTER], b[PARAM], n, decay)
-            state = [b[kind] for kind in self.rule.state_kinds]  # exp_avg, exp_avg_sq, last_step
-            return self.catch_up(self.queue, (int(nnz),), None, b[MASTER], *state, b[PARAM], n, b[INDEX],
-                                 b[VALUE], b[SQUARE], nnz, *args)  # fmt: skip
+            decay, *scalars = job.scalars
+            self.decay(self.queue, (job.sg.numel,), None, master=b[MASTER], param_out=b[PARAM], n=n, decay=decay)
+            state = {kind: b[kind] for kind in self.rule.state_kinds}  # exp_avg, exp_avg_sq, last_step
+            hyper = dict(zip(self.catch_up.arguments[10:], scalars, strict=True))  # beta1 ... bc2_sqrt
+            return self.catch_up(self.queue, (int(nnz),), None, master=b[MASTER], **state, param_out=b[PARAM], n=n,
+                                 **received, square=b[SQUARE], **hyper)  # fmt: skip
         # decompress: zero-fill, scatter, then the optimizer kernel on the dense gradient
-        self.zero_fill(self.queue, (job.sg.numel,), None, b[GRAD], n)
-        self.scatter(self.queue, (int(nnz),), None, b[GRAD], n, b[INDEX], b[VALUE], nnz)
-        return self.kernel(self.queue, *launch_shape(job.sg.numel), *self._arguments(slot, job))
+        self.zero_fill(self.queue, (job.sg.numel,), None, grad=b[GRAD], n=n)
+        self.scatter(self.queue, (int(nnz),), None, grad=b[GRAD], n=n, **received)
+        return self.kernel(self.queue, *launch_shape(job.sg.numel), **self._arguments(slot, job))
 
     def _load(self, slot: _Slot, job: Job) -> list[Future[None]]:
         sg, first = job.sg, job.ctx.step == 1
@@ -316,11 +342,17 @@ class NearStorageDevice:
                 grad.zero_()
         return reads
 
-    def _arguments(self, slot: _Slot, job: Job) -> list[Any]:
-        b = slot.buffers
-        state = [b[kind] for kind in self.rule.state_kinds if kind != LAST_STEP]  # the dense kernels' state
-        common = [np.uint32(job.sg.numel), np.float32(job.ctx.inv_scale), np.float32(job.ctx.clip_coef)]
-        return [b[MASTER], *state, b[GRAD], b[PARAM], *common, *job.scalars]
+    def _arguments(self, slot: _Slot, job: Job) -> dict[str, Any]:
+        """The dense kernel's arguments by name. Its state parameters take the rule's state buffers in order; one
+        the rule has none for (SGD without momentum) gets the master buffer, which the kernel then never reads."""
+        b, names = slot.buffers, self.kernel.arguments
+        state_params = names[1 : names.index("grad")]
+        state = [b[kind] for kind in self.rule.state_kinds if kind != LAST_STEP]
+        state += [b[MASTER]] * (len(state_params) - len(state))
+        scalars = names[len(DENSE) + len(state_params) :]
+        return {"master": b[MASTER], **dict(zip(state_params, state, strict=True)), "grad": b[GRAD],
+                "param_out": b[PARAM], "n": np.uint32(job.sg.numel), "inv_scale": np.float32(job.ctx.inv_scale),
+                "clip_coef": np.float32(job.ctx.clip_coef), **dict(zip(scalars, job.scalars, strict=True))}  # fmt: skip
 
     def _finish(self, slot: _Slot, event: Any) -> None:
         """Kernel done: parameters back to the trainer first, then the deferred state write-back."""

@@ -157,3 +157,35 @@ def test_device_buffers_are_page_locked_and_freed_at_close(smart) -> None:
     assert all(aio_is_pinned(raw) for d in devices for slot in d.slots for raw in slot.host.values())
     trainer.strategy.close()
     assert all(not d.slots and not d._thread.is_alive() for d in devices)
+
+
+def test_every_kernel_argument_table_matches_its_signature() -> None:
+    """The host's named tables are the kernels' signatures (NamedKernel refuses to build otherwise)."""
+    from lightning_smartinf.update.opencl import KERNEL_SOURCE, SPARSE_SOURCE, kernel_signatures
+    from lightning_smartinf.update.smart import KERNEL_ARGUMENTS
+
+    declared = {**kernel_signatures(KERNEL_SOURCE), **kernel_signatures(SPARSE_SOURCE)}
+    assert declared == KERNEL_ARGUMENTS
+
+
+def test_a_table_that_drifts_from_the_kernel_is_refused_at_build() -> None:
+    from lightning_smartinf.errors import SetupError
+    from lightning_smartinf.update.opencl import KERNEL_SOURCE, NamedKernel
+    from lightning_smartinf.update.smart import KERNEL_ARGUMENTS
+
+    swapped = ("grad", "master", *KERNEL_ARGUMENTS["adam"][2:])
+    with pytest.raises(SetupError, match="kernel adam .* takes .* but the host passes"):
+        NamedKernel(object(), "adam", KERNEL_SOURCE, swapped)
+
+
+def test_smart_sgd_without_momentum_equals_torch(smart) -> None:
+    """SGD without momentum has no state: the kernel's unused momentum argument gets a placeholder."""
+
+    def plain_sgd(module: torch.nn.Module) -> torch.nn.Module:
+        module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=1e-3)  # type: ignore[method-assign]
+        return module
+
+    reference = plain_sgd(make_module("sgd"))
+    fit(reference, **CLIP)
+    trainer = fit(plain_sgd(make_module("sgd")), smart(update={"backend": "smart", "devices": 1}), **CLIP)
+    assert relative_error(trainer.strategy.consolidated_state_dict(), reference) < 1e-6
