@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import queue
-import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from lightning_smartinf.engine.handback import WeightHandback
 from lightning_smartinf.engine.layout import build_layout
 from lightning_smartinf.engine.loss_scale import DynamicLossScaler
 from lightning_smartinf.engine.materialize import Materializer
+from lightning_smartinf.engine.overlap import OverlappedStep
 from lightning_smartinf.engine.params import ParamStreamer
 from lightning_smartinf.engine.partition import Partition
 from lightning_smartinf.engine.placement import HostPlacement, place
@@ -125,9 +125,6 @@ class OffloadEngine:
                     "(docs/compression.md); add compression.catch_up=true"
                 )
         self.overlap = overlap
-        self._step_thread: threading.Thread | None = None
-        self._progress = threading.Condition()
-        self._done_elements = 0
         self._eager: queue.Queue[Subgroup | None] | None = None
         self._eager_norm = 0.0
 
@@ -142,6 +139,7 @@ class OffloadEngine:
         groups = [g["params"] for g in optimizer.param_groups] if optimizer else [list(model.parameters())]
         self.layout = build_layout(model, block_list, groups, offload.subgroup_size, rank, world)
         self.partition = Partition(self.layout)
+        self.overlapped = OverlappedStep(len(self.layout.blocks))
         self.materializer = Materializer(model, PretrainedSource(init_from, model) if init_from else None, device)
         self.materializer.check(dict(model.named_parameters()))
 
@@ -193,7 +191,8 @@ class OffloadEngine:
         pin = self.device.type == "cuda"
         param_store: TensorStore = disk if offload.params == "nvme" else HostStore(pin=pin)
         self.params = ParamStreamer(self.layout, param_store, self.param_dtype, self.device, offload.prefetch,
-                                    self.partition, disk.allocator if param_store is disk else None)  # fmt: skip
+                                    self.partition, disk.allocator if param_store is disk else None,
+                                    self.overlapped)  # fmt: skip
         self.placement = self._place(update)
         self.updater: Updater | None = None
         if self.rule is not None:
@@ -398,14 +397,15 @@ class OffloadEngine:
         self.step_count += 1
         ctx = StepContext(self.step_count, hyperparameters(self.optimizer))
         self._eager = queue.Queue()
-        self._run_step_thread(ctx, iter(self._eager.get, None))
+        stream = self._eager
+        self.overlapped.start(lambda: self._apply(ctx, iter(stream.get, None)))
 
     def _stream_block(self, index: int) -> None:
         if self._eager is None:
             return
         block = self.layout.blocks[index]
         if block.subgroups:
-            self.params.ready[index].clear()  # its parameters go stale until its update lands
+            self.overlapped.stale(index)  # its parameters go stale until its update lands
         for sg in block.subgroups:
             self._eager.put(sg)
         if block.resident:  # backward is over: the stream is complete
@@ -460,55 +460,28 @@ class OffloadEngine:
             left[sg.block] -= 1
             if not left[sg.block]:
                 self.params.flush()
-                self.params.ready[sg.block].set()
-            with self._progress:
-                self._done_elements += sg.numel
-                self._progress.notify_all()
+                self.overlapped.published(sg.block)
+            self.overlapped.advance(sg.numel)
         self.grads.reset()
 
     def _start_overlapped(self, ctx: StepContext) -> None:
         """Run the step on a thread; return once the resident block and (1 - overlap) of the elements are done."""
         for block in self.layout.blocks:  # cleared here, before the caller can start the next forward
             if block.subgroups:
-                self.params.ready[block.index].clear()
-        self._run_step_thread(ctx, None)
+                self.overlapped.stale(block.index)
+        self.overlapped.start(lambda: self._apply(ctx))
         self._wait_overlapped()
 
-    def _run_step_thread(self, ctx: StepContext, subgroups: Iterable[Subgroup] | None) -> None:
-        self._done_elements = 0
-
-        def run() -> None:
-            try:
-                self._apply(ctx, subgroups)
-            except BaseException as err:  # noqa: BLE001 - re-raised on the trainer's thread
-                self.params.failure = err
-                for event in self.params.ready:
-                    event.set()
-                with self._progress:
-                    self._progress.notify_all()
-
-        self._step_thread = threading.Thread(target=run, name="smartinf-step", daemon=True)
-        self._step_thread.start()
-
     def _wait_overlapped(self) -> None:
-        must_finish = (1.0 - self.overlap) * self.layout.local_numel
-        with trace.span("wait for the step's non-overlapped share", "wait"), self._progress:
-            self._progress.wait_for(lambda: self._done_elements >= must_finish or self.params.failure is not None)
+        with trace.span("wait for the step's non-overlapped share", "wait"):
+            self.overlapped.wait_share((1.0 - self.overlap) * self.layout.local_numel)
         with trace.span("wait for the resident update", "wait"):
-            self.params.ready[0].wait()  # the resident layers run first and outside the block hooks
-        self._raise_failure()
+            self.overlapped.wait_block(0)  # the resident layers run first and outside the block hooks
         self.params.gather_resident()
 
     def wait_step(self) -> None:
         """Block until an overlapped step has finished (before checkpoints, reads of the masters, shutdown)."""
-        if self._step_thread is not None:
-            self._step_thread.join()
-            self._step_thread = None
-        self._raise_failure()
-
-    def _raise_failure(self) -> None:
-        if self.params.failure is not None:
-            raise RuntimeError("the optimizer step failed") from self.params.failure
+        self.overlapped.join()
 
     def republish_params(self) -> None:
         """Rewrite every 16-bit parameter from its fp32 master (after the masters were restored)."""

@@ -8,12 +8,12 @@ at most ``prefetch + 2`` blocks occupy memory. The resident block lives on the d
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import Future
 
 import torch
 
 from lightning_smartinf.core import PARAM, Block, Layout, Subgroup
+from lightning_smartinf.engine.overlap import OverlappedStep
 from lightning_smartinf.engine.partition import Partition
 from lightning_smartinf.storage.aligned import Allocator, BufferPool, PageAligned, typed_view
 from lightning_smartinf.storage.store import TensorStore
@@ -29,6 +29,7 @@ class ParamStreamer:
         prefetch: int,
         partition: Partition | None = None,
         allocator: Allocator | None = None,
+        updates: OverlappedStep | None = None,
     ) -> None:
         self.layout = layout
         self.partition = partition or Partition(layout)
@@ -45,11 +46,8 @@ class ParamStreamer:
         self._pending_writes: list[Future[None]] = []
         self.resident_flat = torch.zeros(layout.resident.numel, dtype=dtype, device=device)
         self._empty = torch.empty(0, dtype=dtype, device=device)
-        self.ready = [threading.Event() for _ in layout.blocks]
-        """Set while a block's stored parameters are current; cleared while an overlapped step updates them."""
-        for event in self.ready:
-            event.set()
-        self.failure: BaseException | None = None
+        self.updates = updates or OverlappedStep(len(layout.blocks))
+        """Says which blocks a running step is still updating (their fetches wait for it)."""
 
     @property
     def host_bytes(self) -> int:
@@ -92,7 +90,7 @@ class ParamStreamer:
     def prefetch(self, index: int) -> None:
         if index in self._loading or index in self._live or not 0 < index < len(self.layout.blocks):
             return
-        if not self.ready[index].is_set():  # its update is still running: read it when it is needed
+        if not self.updates.is_current(index):  # its update is still running: read it when it is needed
             return
         raw = self.pool.try_acquire()
         if raw is not None:
@@ -107,9 +105,7 @@ class ParamStreamer:
         """Materialise block ``index``'s parameters on the device (blocking until its reads are done)."""
         if index in self._live:
             return
-        self.ready[index].wait()  # an overlapped step may still be updating this block
-        if self.failure is not None:
-            raise RuntimeError("the optimizer step running behind the forward pass failed") from self.failure
+        self.updates.wait_block(index)  # an overlapped step may still be updating this block
         block = self.layout.blocks[index]
         if index not in self._loading:
             self._start_read(block, self.pool.acquire(block.numel * self.itemsize))

@@ -1,0 +1,86 @@
+"""The optimizer step that runs behind the next forward pass (``schedule.overlap``, eager updates): one object
+owns its thread, the per-block events that say whose parameters are current, its progress and its failure.
+
+The trainer's thread waits on it in three places only: for the step's non-overlapped share (``wait_share``), for
+one block's update before fetching that block (``wait_block``), and for the whole step (``join``, before a
+checkpoint, a read of the masters or shutdown). A failure on the step's thread wakes every waiter and is raised on
+the trainer's thread at the next of those waits.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+
+class StepFailedError(RuntimeError):
+    """The optimizer step running on its own thread failed (the cause is chained)."""
+
+
+class OverlappedStep:
+    def __init__(self, blocks: int) -> None:
+        self._current = [threading.Event() for _ in range(blocks)]
+        """Set while a block's stored parameters are current; cleared while a running step updates them."""
+        for event in self._current:
+            event.set()
+        self._progress = threading.Condition()
+        self._done = 0
+        self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None
+
+    # -- on the trainer's thread ------------------------------------------------------------------------------------
+    def start(self, run: Callable[[], None]) -> None:
+        """Run ``run`` (the step) on its own thread."""
+        self._done = 0
+
+        def guarded() -> None:
+            try:
+                run()
+            except BaseException as err:  # noqa: BLE001 - raised on the trainer's thread at its next wait
+                self.failure = err
+                for event in self._current:
+                    event.set()
+                with self._progress:
+                    self._progress.notify_all()
+
+        self._thread = threading.Thread(target=guarded, name="smartinf-step", daemon=True)
+        self._thread.start()
+
+    def stale(self, block: int) -> None:
+        """Block ``block``'s stored parameters are about to change (before the step that changes them starts)."""
+        self._current[block].clear()
+
+    def is_current(self, block: int) -> bool:
+        return self._current[block].is_set()
+
+    def wait_block(self, block: int) -> None:
+        """Until block ``block``'s update has landed (at once when no step is updating it)."""
+        self._current[block].wait()
+        self.raise_failure()
+
+    def wait_share(self, elements: float) -> None:
+        """Until the step has updated ``elements`` elements (or failed)."""
+        with self._progress:
+            self._progress.wait_for(lambda: self._done >= elements or self.failure is not None)
+        self.raise_failure()
+
+    def join(self) -> None:
+        """Until the step has finished; raises its failure."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.raise_failure()
+
+    def raise_failure(self) -> None:
+        if self.failure is not None:
+            raise StepFailedError("the optimizer step failed") from self.failure
+
+    # -- on the step's thread ---------------------------------------------------------------------------------------
+    def published(self, block: int) -> None:
+        """Block ``block``'s new parameters are stored: a fetch may read them."""
+        self._current[block].set()
+
+    def advance(self, elements: int) -> None:
+        with self._progress:
+            self._done += elements
+            self._progress.notify_all()
