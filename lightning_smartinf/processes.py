@@ -12,10 +12,8 @@ import atexit
 from datetime import timedelta
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.distributed import (
     _all_gather_ddp_if_available,
     _distributed_is_initialized,
@@ -24,7 +22,6 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.rank_zero import rank_zero_only
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
@@ -42,19 +39,10 @@ class ProcessStrategy(ParallelStrategy):
     """One process per device over ``num_nodes`` nodes (or as torchrun / SLURM started them), with DDP's
     collectives; a single process runs without a process group."""
 
-    def __init__(
-        self,
-        accelerator: pl.accelerators.Accelerator | None = None,
-        precision_plugin: Precision | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        process_group_backend: str | None = None,
-        timeout: float | timedelta = 1800.0,
-    ) -> None:
-        super().__init__(
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            precision_plugin=precision_plugin,
-        )  # fmt: skip
+    def __init__(self, process_group_backend: str | None = None, timeout: float | timedelta = 1800.0,
+                 **devices: Any) -> None:  # fmt: skip
+        """``devices``: ParallelStrategy's accelerator, parallel_devices, cluster_environment, precision_plugin."""
+        super().__init__(**devices)
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)

@@ -84,8 +84,8 @@ class SmartInfinityStrategy(ProcessStrategy):
         timeout: float | timedelta = 1800.0,
         init_from: str | Path | None = None,
     ) -> None:
-        super().__init__(accelerator, precision_plugin, parallel_devices, cluster_environment, process_group_backend,
-                         timeout)  # fmt: skip
+        super().__init__(process_group_backend, timeout, accelerator=accelerator, precision_plugin=precision_plugin,
+                         parallel_devices=parallel_devices, cluster_environment=cluster_environment)  # fmt: skip
         self.offload = coerce(OffloadConfig, offload, "offload")
         self.update = coerce(UpdateConfig, update, "update")
         self.compression = coerce(CompressionConfig, compression, "compression")
