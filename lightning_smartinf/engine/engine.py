@@ -87,6 +87,34 @@ def rank_path(path: str, rank: int, world: int) -> Path:
 class OffloadEngine:
     """Parameters, gradients and optimizer state of one model, offloaded per ``OffloadConfig``."""
 
+    # The components, all built at set-up (``__init__`` and ``_build``), in the order data meets them.
+    layout: Layout
+    """Blocks, flat buffers and subgroups (engine/layout.py)."""
+    partition: Partition
+    """This rank's share of every block and the collectives over it (engine/partition.py)."""
+    materializer: Materializer
+    """Gives meta parameters their values, or reads them from ``init_from`` (engine/materialize.py)."""
+    disk: FileStore | StripedStore
+    """The state directories (``offload.nvme_path``), each with its own I/O backend."""
+    backend: IOBackend
+    """The first directory's backend (named in logs and used by the planner's disk probe)."""
+    root: Path
+    overlapped: OverlappedStep
+    """The step running behind the next forward: its thread, events and failure (engine/overlap.py)."""
+    params: ParamStreamer
+    """16-bit parameters: read ahead per block, written back per updated subgroup (engine/params.py)."""
+    placement: HostPlacement
+    """What ``offload.host_memory_budget`` put in host memory (engine/placement.py)."""
+    updater: Updater | None
+    """The optimizer update: on the host or on near-storage devices (update/); None without an optimizer."""
+    grads: GradientAccumulator
+    """fp32 gradients between backward and the step (engine/grads.py)."""
+    weights: WeightHandback
+    """The trained weights back into the module between stages (engine/handback.py)."""
+    counters: TrafficCounters
+    scaler: DynamicLossScaler | None
+    rule: OptimizerRule | None
+
     def __init__(
         self,
         model: nn.Module,
@@ -183,7 +211,7 @@ class OffloadEngine:
             for index, (root, nbytes) in enumerate(zip(roots, needed, strict=True))
         ]
         self.root = roots[0]
-        self.backend: IOBackend = self._backends[0]
+        self.backend = self._backends[0]
         log.info("smart_infinity storage backend: %s%s", self.backend.name,
                  f"; state striped over {len(roots)} directories" if len(roots) > 1 else "")  # fmt: skip
         disk: FileStore | StripedStore = stores[0] if len(stores) == 1 else StripedStore(stores)
@@ -194,7 +222,7 @@ class OffloadEngine:
                                     self.partition, disk.allocator if param_store is disk else None,
                                     self.overlapped)  # fmt: skip
         self.placement = self._place(update)
-        self.updater: Updater | None = None
+        self.updater = None
         if self.rule is not None:
             self.updater = self._make_updater(self.rule, update, disk)
         grad_store: TensorStore = disk if offload.grads == "nvme" and not self.placement.grads else HostStore()
