@@ -56,6 +56,9 @@ class OffloadConfig:
     """DeepSpeed aio queue depth."""
     check_free_space: bool = True
     """Refuse to start when nvme_path has less free space than the planned state."""
+    async_save: bool = True
+    """Checkpoints saved during fit are written in the background while training goes on (the next step waits only
+    at a subgroup whose state is not yet copied); ``false``: training waits for each save."""
     host_memory_budget: str = "0"
     """Host memory the engine may fill with what would otherwise cross the disk, placed by value per byte
     (engine/placement.py): the fp32 gradients first, then the master and optimizer state of the first subgroups

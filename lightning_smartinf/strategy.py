@@ -20,6 +20,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
@@ -28,6 +29,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_smartinf.checkpoint import protocol
+from lightning_smartinf.checkpoint.background import BackgroundSaves
 from lightning_smartinf.checkpoint.manifest import TRAINER_STATE, Manifest
 from lightning_smartinf.checkpoint.shards import parse_size
 from lightning_smartinf.config import (
@@ -41,7 +43,7 @@ from lightning_smartinf.config import (
 from lightning_smartinf.engine.engine import OffloadEngine
 from lightning_smartinf.engine.export import export_live
 from lightning_smartinf.engine.planning import plan_schedule
-from lightning_smartinf.engine.snapshot import engine_nbytes, load_engine_state, save_engine_state
+from lightning_smartinf.engine.snapshot import load_engine_state, take_snapshot, write_snapshot
 from lightning_smartinf.errors import ConfigError
 from lightning_smartinf.meta import meta_parameters
 from lightning_smartinf.monitor import SmartInfinityMonitor
@@ -57,11 +59,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SaveRecord:
-    """The last checkpoint this strategy wrote: where, how big, and how long training waited for it."""
+    """The last checkpoint this strategy wrote: where, how big, how long its writing took, and how long training
+    waited for it (all of it for a save in the foreground, the snapshot only for one in the background)."""
 
     path: Path
     nbytes: int
     seconds: float
+    stalled: float
 
 
 class SmartInfinityStrategy(ProcessStrategy):
@@ -97,6 +101,10 @@ class SmartInfinityStrategy(ProcessStrategy):
         self.engine: OffloadEngine | None = None
         self._resume_from: Manifest | None = None
         self.last_save: SaveRecord | None = None
+        self.saves = BackgroundSaves()
+        """Checkpoints being written behind training (``offload.async_save``); waited for at teardown."""
+        self._save_group: Any = None
+        self._fitting = False
         self.vertical: VerticalSchedule | ParkedVertical | None = None
         self.plan: Plan | None = None
         self._trainer: pl.Trainer | None = None
@@ -132,7 +140,10 @@ class SmartInfinityStrategy(ProcessStrategy):
         precision = SmartInfinityPrecision(str(self.precision_plugin.precision), self.root_device.type)
         self.precision_plugin = precision
         self._trainer = trainer
-        if trainer.state.fn == TrainerFn.FITTING:
+        self._fitting = trainer.state.fn == TrainerFn.FITTING
+        if self._fitting and self.offload.async_save and self.is_distributed and self._save_group is None:
+            self._save_group = dist.new_group(backend="gloo")  # the background saves' collectives, apart
+        if self._fitting:
             self.setup_optimizers(trainer)
             if len(self.optimizers) != 1:
                 raise ConfigError(
@@ -203,6 +214,7 @@ class SmartInfinityStrategy(ProcessStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.saves.check()  # a background save that failed stops training here, naming the checkpoint
         if self.schedule.kind == "auto" and self.vertical is None:
             self.vertical = self._auto_schedule(args[0])
         if self.vertical is None:
@@ -227,6 +239,8 @@ class SmartInfinityStrategy(ProcessStrategy):
         """End of a stage: the trained weights go back into the module (``offload.return_weights``, see
         ``engine/handback.py``); the engine stays, so validate/test/predict after fit reuse its state.
         ``close()`` ends it."""
+        self._fitting = False
+        self.saves.wait()
         if self.engine is not None:
             self.engine.weights.give(self.offload.return_weights)
         # Lightning's own teardown, less its two moves to the CPU (the module, the optimizer's state): the module's
@@ -251,27 +265,51 @@ class SmartInfinityStrategy(ProcessStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
         """Write ``filepath`` as a checkpoint directory (Lightning's trainer state plus the engine's offloaded
-        state) that appears under that name only once complete: see ``checkpoint/protocol.py``."""
+        state) that appears under that name only once complete: see ``checkpoint/protocol.py``. During fit (with
+        ``offload.async_save``) only the snapshot is taken here and the writing goes on behind training."""
         engine = self.engine
         assert engine is not None
-        engine.wait_step()
+        started = time.perf_counter()
+        self.saves.check()
+        snapshot = take_snapshot(engine)
         buffer = io.BytesIO()
         torch.save(checkpoint, buffer)
-        manifest, seconds = protocol.save(
-            Path(filepath), buffer.getvalue(), checkpoint.get("global_step", 0), engine_nbytes(engine),
-            lambda writer, prefix: save_engine_state(engine, writer, prefix), self.global_rank, self.world_size,
-        )  # fmt: skip
-        if manifest is None:
-            return
-        self.last_save = SaveRecord(manifest.path, manifest.nbytes, seconds)
-        log.info(
-            "smart_infinity: checkpoint %s, %s in %.2f s (%.2f s/GB)", manifest.path, human_bytes(manifest.nbytes),
-            seconds, seconds / max(manifest.nbytes / 1e9, 1e-9),
-        )  # fmt: skip
+        trainer_state, step, path = buffer.getvalue(), checkpoint.get("global_step", 0), Path(filepath)
+        background = self._fitting and self.offload.async_save
+
+        def write() -> None:
+            try:
+                manifest, seconds = protocol.save(
+                    path, trainer_state, step, snapshot.nbytes,
+                    lambda writer, prefix: write_snapshot(snapshot, writer, prefix), self.global_rank,
+                    self.world_size, self._save_group if background else None,
+                )  # fmt: skip
+            finally:
+                snapshot.hold.close()
+            if manifest is None:
+                return
+            stalled = stall if background else time.perf_counter() - started
+            self.last_save = SaveRecord(manifest.path, manifest.nbytes, seconds, stalled)
+            log.info(
+                "smart_infinity: checkpoint %s, %s in %.2f s (%.2f s/GB); training waited %.2f s for it",
+                manifest.path, human_bytes(manifest.nbytes), seconds, seconds / max(manifest.nbytes / 1e9, 1e-9),
+                stalled,
+            )  # fmt: skip
+
+        stall = time.perf_counter() - started
+        if background:
+            self.saves.save(f"save of {path}", write)
+        else:
+            write()
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        if self.is_global_zero:
+        if not self.is_global_zero:
+            return
+        if self._fitting and self.offload.async_save:
+            self.saves.remove(f"checkpoint {filepath}", lambda: protocol.remove(Path(filepath)))
+        else:
+            self.saves.wait()
             protocol.remove(Path(filepath))
 
     @property
@@ -283,6 +321,7 @@ class SmartInfinityStrategy(ProcessStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Verify the checkpoint's files, then read the trainer state; the engine state follows in
         ``load_model_state_dict``."""
+        self.saves.wait()  # restoring rewrites the state files a save in the background may still be copying
         self._resume_from = protocol.open_checkpoint(Path(checkpoint_path), self.global_rank, self.world_size)
         return torch.load(self._resume_from.path / TRAINER_STATE, weights_only=False)  # type: ignore[no-any-return]
 
@@ -297,6 +336,7 @@ class SmartInfinityStrategy(ProcessStrategy):
 
     def close(self) -> None:
         """Stop the engine's I/O threads and give the module back its blocks' original ``forward``."""
+        self.saves.wait()
         if self.engine is not None:
             self.engine.close()
             self.engine = None

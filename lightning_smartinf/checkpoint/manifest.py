@@ -136,11 +136,13 @@ class CheckpointWriter:
             self._directories.add(path.parent)
         return path
 
-    def copy(self, source: Path, relative: str) -> None:
-        """Copy ``source`` to ``relative`` inside the checkpoint (in a background thread)."""
-        self._pending[relative] = self._pool.submit(copy_file, source, self._destination(relative))
+    def copy(self, source: Path, relative: str) -> Future[FileRecord]:
+        """Copy ``source`` to ``relative`` inside the checkpoint (in a background thread); done once copied."""
+        future = self._pool.submit(copy_file, source, self._destination(relative))
+        self._pending[relative] = future
+        return future
 
-    def write(self, relative: str, data: bytes) -> None:
+    def write(self, relative: str, data: bytes | memoryview) -> None:
         self.files[relative] = self._checked(lambda: write_chunks(self._destination(relative), [data]))
 
     def _checked(self, work: Any) -> Any:

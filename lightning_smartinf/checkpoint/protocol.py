@@ -32,33 +32,34 @@ WriteState = Callable[[CheckpointWriter, str], dict[str, Any]]
 """Writes a rank's offloaded state under a prefix of the writer's directory; returns what to record of it."""
 
 
-def _broadcast(obj: Any) -> Any:
+def _broadcast(obj: Any, group: Any) -> Any:
     holder = [obj]
-    dist.broadcast_object_list(holder, 0)
+    dist.broadcast_object_list(holder, 0, group=group)
     return holder[0]
 
 
 def save(target: Path, trainer_state: bytes, step: int, nbytes: int, write_state: WriteState, rank: int = 0,
-         world: int = 1) -> tuple[Manifest | None, float]:  # fmt: skip
+         world: int = 1, group: Any = None) -> tuple[Manifest | None, float]:  # fmt: skip
     """Write checkpoint ``target`` (``nbytes``: this rank's state) so that it appears under that name only once
-    complete on every rank; return its manifest (on rank 0; None elsewhere) and the seconds it took."""
+    complete on every rank; return its manifest (on rank 0; None elsewhere) and the seconds it took. ``group``:
+    the process group of the save's collectives (a save on a background thread needs one of its own)."""
     if world == 1:
         with CheckpointWriter(target, nbytes + len(trainer_state)) as writer:
             writer.write(TRAINER_STATE, trainer_state)
             engine = write_state(writer, ENGINE_STATE)
             manifest = writer.publish({"engine": engine, "global_step": step})
         return manifest, writer.seconds
-    return _save_partitioned(target, trainer_state, step, nbytes, write_state, rank, world)
+    return _save_partitioned(target, trainer_state, step, nbytes, write_state, rank, world, group)
 
 
 def _save_partitioned(target: Path, trainer_state: bytes, step: int, nbytes: int, write_state: WriteState,
-                      rank: int, world: int) -> tuple[Manifest | None, float]:  # fmt: skip
+                      rank: int, world: int, group: Any) -> tuple[Manifest | None, float]:  # fmt: skip
     """Every rank writes its slices under ``offload/rank{r}`` of rank 0's staging directory; rank 0 adds the
     trainer state and publishes once all ranks' files are durable (a shared filesystem, as DeepSpeed assumes).
     A failure on any rank fails the save on every rank and leaves the previous checkpoint in place."""
     started = time.perf_counter()
     sizes: list[int] = [0] * world
-    dist.all_gather_object(sizes, nbytes)
+    dist.all_gather_object(sizes, nbytes, group=group)
     writer: CheckpointWriter | None = None
     opened: tuple[Path | None, str | None] = (None, None)
     if rank == 0:
@@ -67,7 +68,7 @@ def _save_partitioned(target: Path, trainer_state: bytes, step: int, nbytes: int
             opened = (writer.staging, None)
         except Exception as err:  # noqa: BLE001 - reported on every rank below
             opened = (None, f"{type(err).__name__}: {err}")
-    staging, failure = _broadcast(opened)
+    staging, failure = _broadcast(opened, group)
     if staging is None:
         raise CheckpointError(f"rank 0 could not start checkpoint {target}: {failure}")
     part = writer or CheckpointWriter(target, sizes[rank], staging=staging)
@@ -78,7 +79,7 @@ def _save_partitioned(target: Path, trainer_state: bytes, step: int, nbytes: int
     except Exception as err:  # noqa: BLE001 - reported on every rank below
         result = (None, None, f"rank {rank}: {type(err).__name__}: {err}")
     results: list[Any] = [None] * world
-    dist.all_gather_object(results, result)
+    dist.all_gather_object(results, result, group=group)
     failures = [r[2] for r in results if r[2] is not None]
     with part:
         if failures:
@@ -89,7 +90,7 @@ def _save_partitioned(target: Path, trainer_state: bytes, step: int, nbytes: int
             for files, _, _ in results[1:]:
                 writer.add(files)
             manifest = writer.publish({"ranks": [r[1] for r in results], "world_size": world, "global_step": step})
-    dist.barrier()  # the checkpoint exists for every rank once save returns
+    dist.barrier(group=group)  # the checkpoint exists for every rank once save returns
     return manifest, time.perf_counter() - started
 
 

@@ -23,6 +23,7 @@ from lightning_smartinf import trace
 from lightning_smartinf.compress.topk import TopKCompressor
 from lightning_smartinf.config import CompressionConfig, OffloadConfig, UpdateConfig, parse_bytes
 from lightning_smartinf.core import HOST_LINK, Block, Layout, ParamSlot, StepContext, Subgroup
+from lightning_smartinf.engine.fence import StateFence
 from lightning_smartinf.engine.grads import GradientAccumulator
 from lightning_smartinf.engine.handback import WeightHandback
 from lightning_smartinf.engine.layout import build_layout
@@ -101,6 +102,8 @@ class OffloadEngine:
     root: Path
     overlapped: OverlappedStep
     """The step running behind the next forward: its thread, events and failure (engine/overlap.py)."""
+    fence: StateFence
+    """Subgroups whose state a checkpoint in the background is still copying: the step waits there (engine/fence.py)."""
     params: ParamStreamer
     """16-bit parameters: read ahead per block, written back per updated subgroup (engine/params.py)."""
     placement: HostPlacement
@@ -168,6 +171,7 @@ class OffloadEngine:
         self.layout = build_layout(model, block_list, groups, offload.subgroup_size, rank, world)
         self.partition = Partition(self.layout)
         self.overlapped = OverlappedStep(len(self.layout.blocks))
+        self.fence = StateFence()
         self.materializer = Materializer(model, PretrainedSource(init_from, model) if init_from else None, device)
         self.materializer.check(dict(model.named_parameters()))
 
@@ -482,8 +486,8 @@ class OffloadEngine:
         """Stream subgroups (default: all, in forward order) through the updater, publishing each block when done."""
         assert self.updater is not None
         left = {b.index: len(b.subgroups) for b in self.layout.blocks}
-        order = self.layout.subgroups if subgroups is None else subgroups
-        for sg, master in self.updater.step(order, self.grads, ctx):  # type: ignore[arg-type]
+        order = self.fence.passing(self.layout.subgroups if subgroups is None else subgroups)
+        for sg, master in self.updater.step(order, self.grads, ctx):
             self.params.store_update(sg, master)
             left[sg.block] -= 1
             if not left[sg.block]:

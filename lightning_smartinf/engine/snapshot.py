@@ -6,12 +6,17 @@ compression, and the layout: which parameter sits where in which subgroup. The l
 the checkpoint fits the model, and lets ``smartinf-export`` rebuild a plain state dict without the model's code.
 16-bit parameters and gradients are not saved: the former are rebuilt from the masters, the latter are empty at
 a step boundary.
+
+A save is a snapshot (``take_snapshot``, at the step boundary, cheap) and its writing (``write_snapshot``, which may
+run in the background while training goes on): the state stays live in its files and host tensors, and the
+engine's fence (engine/fence.py) keeps the next step from rewriting a subgroup's state before it is copied.
 """
 
 from __future__ import annotations
 
 import io
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +25,7 @@ import torch
 from lightning_smartinf.checkpoint.files import copy_file
 from lightning_smartinf.checkpoint.manifest import COPY_THREADS, CheckpointWriter, Manifest
 from lightning_smartinf.core import MASTER
+from lightning_smartinf.engine.fence import FenceHold
 from lightning_smartinf.errors import ConfigError
 from lightning_smartinf.storage.store import TieredStore, stripe_of
 
@@ -54,19 +60,20 @@ def _ram_entries(engine: OffloadEngine) -> list[tuple[str, str, str]]:
             for kind in _kinds(engine) for sg in engine.layout.subgroups if sg.key in tiered.host_keys]  # fmt: skip
 
 
-def state_files(engine: OffloadEngine) -> list[tuple[Path, str]]:
-    """(live file, path inside the checkpoint) for every state file, ``state{i}/{kind}/{subgroup}``."""
+def state_files(engine: OffloadEngine) -> list[tuple[str, Path, str]]:
+    """(subgroup key, live file, path inside the checkpoint ``state{i}/{kind}/{subgroup}``) for every state file,
+    in the order the step updates the subgroups (so a save in the background copies first what is needed first)."""
     tiered = _in_ram(engine)
     in_ram = tiered.host_keys if tiered is not None else frozenset()
     files = []
-    for index, state_dir in enumerate(_state_dirs(engine)):
-        for kind in _kinds(engine):
-            for sg in engine.layout.subgroups:
-                if sg.key in in_ram:  # a file left by an earlier run placed otherwise is stale
-                    continue
+    for sg in engine.layout.subgroups:
+        if sg.key in in_ram:  # a file left by an earlier run placed otherwise is stale
+            continue
+        for index, state_dir in enumerate(_state_dirs(engine)):
+            for kind in _kinds(engine):
                 live = state_dir / kind / sg.key
                 if live.is_file():
-                    files.append((live, f"state{index}/{kind}/{sg.key}"))
+                    files.append((sg.key, live, f"state{index}/{kind}/{sg.key}"))
     return files
 
 
@@ -134,34 +141,70 @@ def signature_differences(saved: dict[str, Any], current: dict[str, Any]) -> lis
 
 
 def engine_nbytes(engine: OffloadEngine) -> int:
-    """Bytes ``save_engine_state`` writes."""
+    """Bytes a checkpoint of the engine's state takes."""
     compressor = engine.compressor
     residuals = sum(compressor.residual_bytes.values()) if compressor is not None else 0
     tiered = _in_ram(engine)
     in_ram = sum(tiered.host.tensor(kind, key).numel() for kind, key, _ in _ram_entries(engine)) if tiered else 0
-    return sum(live.stat().st_size for live, _ in state_files(engine)) + residuals + in_ram
+    return sum(live.stat().st_size for _, live, _ in state_files(engine)) + residuals + in_ram
 
 
-def save_engine_state(engine: OffloadEngine, writer: CheckpointWriter, prefix: str) -> dict[str, Any]:
-    """Queue the engine's files into ``writer`` under ``prefix``; return the metadata for the manifest."""
-    engine.wait_step()  # consistent as of a step boundary
-    for live, relative in state_files(engine):
-        writer.copy(live, f"{prefix}/{relative}")
+@dataclass
+class EngineSnapshot:
+    """The engine's state as of one step boundary, to be written while training goes on: the state files and
+    in-memory state tensors are still live, each subgroup held by the fence until its copy is made; the rest
+    (residuals, counters, layout) is captured here."""
+
+    files: list[tuple[str, Path, str]]
+    """(subgroup key, live file, path inside the checkpoint) of each state file."""
+    tensors: list[tuple[str, torch.Tensor, str]]
+    """(subgroup key, live host tensor, path inside the checkpoint) of the state held in host memory."""
+    blobs: dict[str, bytes]
+    meta: dict[str, Any]
+    hold: FenceHold
+
+    @property
+    def nbytes(self) -> int:
+        return (sum(live.stat().st_size for _, live, _ in self.files) + sum(len(b) for b in self.blobs.values())
+                + sum(t.numel() for _, t, _ in self.tensors))  # fmt: skip
+
+
+def take_snapshot(engine: OffloadEngine) -> EngineSnapshot:
+    """Snapshot the engine at a step boundary (waiting for an overlapped step): until ``write_snapshot`` has copied
+    a subgroup's state (or ``hold.close()`` gives up), the next step waits before touching it."""
+    engine.wait_step()
+    files = state_files(engine)
     tiered = _in_ram(engine)
-    for kind, key, relative in _ram_entries(engine):
-        assert tiered is not None
-        writer.write(f"{prefix}/{relative}", tiered.host.tensor(kind, key).numpy().tobytes())
+    tensors = [(key, tiered.host.tensor(kind, key), relative) for kind, key, relative in _ram_entries(engine)
+               ] if tiered is not None else []  # fmt: skip
+    blobs = {}
     compressor = engine.compressor
     if compressor is not None and compressor.has_state:
         buffer = io.BytesIO()
         torch.save(compressor.state_dict(), buffer)
-        writer.write(f"{prefix}/{RESIDUALS}", buffer.getvalue())
-    return {
+        blobs[RESIDUALS] = buffer.getvalue()
+    meta = {
         "signature": _signature(engine),
         "step_count": engine.step_count,
         "loss_scaler": engine.scaler.state_dict() if engine.scaler else None,
         "param_dtype": str(engine.param_dtype).removeprefix("torch."),
     }
+    hold = engine.fence.hold([key for key, _, _ in files] + [key for key, _, _ in tensors])
+    return EngineSnapshot(files, tensors, blobs, meta, hold)
+
+
+def write_snapshot(snapshot: EngineSnapshot, writer: CheckpointWriter, prefix: str) -> dict[str, Any]:
+    """Write the snapshot into ``writer`` under ``prefix``, releasing each subgroup as its copy is made; return
+    the metadata for the manifest. The files copy on the writer's threads; ``writer.finish()`` waits for them."""
+    hold = snapshot.hold
+    for key, live, relative in snapshot.files:
+        writer.copy(live, f"{prefix}/{relative}").add_done_callback(lambda _, key=key: hold.done(key))  # type: ignore[misc]
+    for key, tensor, relative in snapshot.tensors:
+        writer.write(f"{prefix}/{relative}", tensor.numpy().data.cast("B"))
+        hold.done(key)
+    for relative, data in snapshot.blobs.items():
+        writer.write(f"{prefix}/{relative}", data)
+    return snapshot.meta
 
 
 def load_engine_state(engine: OffloadEngine, manifest: Manifest, prefix: str, meta: dict[str, Any]) -> None:

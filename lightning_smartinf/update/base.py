@@ -7,7 +7,7 @@ that owns the subgroup.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Protocol
@@ -41,7 +41,7 @@ class Updater(Protocol):
         ...
 
     def step(
-        self, subgroups: Sequence[Subgroup], grads: GradientSource, ctx: StepContext
+        self, subgroups: Iterable[Subgroup], grads: GradientSource, ctx: StepContext
     ) -> Iterator[tuple[Subgroup, torch.Tensor]]:
         """Update every subgroup; yield each one's new fp32 master, valid until the next item is requested."""
         ...

@@ -8,7 +8,7 @@ the background; buffers come from one fixed pool, so host memory does not grow w
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -21,6 +21,12 @@ from lightning_smartinf.storage.store import FileStore, StripedStore, TieredStor
 from lightning_smartinf.update.base import GradientSource
 from lightning_smartinf.update.cpu_adam import DeepSpeedCPUAdamKernel
 from lightning_smartinf.update.optimizers import OptimizerRule, torch_update
+
+
+def _zero_padding(raw: torch.Tensor, payload: int) -> None:
+    """Zero a pooled buffer's bytes between the payload and the aligned end that an O_DIRECT write stores: what an
+    earlier subgroup left there would make state files, and checkpoints, differ from run to run."""
+    raw[payload : align_up(payload)].zero_()
 
 
 class _Loaded:
@@ -64,6 +70,7 @@ class HostUpdater:
         for sg in subgroups:
             raw = self.pool.acquire(sg.numel * 4)
             typed_view(raw, torch.float32, sg.numel).copy_(master_of(sg))
+            _zero_padding(raw, sg.numel * 4)
             self.store.write(MASTER, sg.key, raw, sg.numel * 4).result()
             self.pool.release(raw)
 
@@ -73,6 +80,7 @@ class HostUpdater:
         for spec in self.rule.states:
             if first_step:
                 loaded.tensor(spec.kind).fill_(spec.init)
+                _zero_padding(loaded.raw[spec.kind], sg.numel * 4)
             else:
                 loaded.reads.append(self.store.read(spec.kind, sg.key, loaded.raw[spec.kind], sg.numel * 4))
         return loaded
@@ -99,7 +107,7 @@ class HostUpdater:
             torch_update(self.rule, master, grad, state, hyper, ctx.step)
 
     def step(
-        self, subgroups: Sequence[Subgroup], grads: GradientSource, ctx: StepContext
+        self, subgroups: Iterable[Subgroup], grads: GradientSource, ctx: StepContext
     ) -> Iterator[tuple[Subgroup, torch.Tensor]]:
         first = ctx.step == 1
         queue: deque[tuple[_Loaded, Future[torch.Tensor]]] = deque()

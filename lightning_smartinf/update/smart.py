@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -450,7 +450,7 @@ class SmartUpdater:
             self.owner(sg).store.write(MASTER, sg.key, raw, sg.numel * 4).result()
 
     def step(
-        self, subgroups: Sequence[Subgroup], grads: GradientSource, ctx: StepContext
+        self, subgroups: Iterable[Subgroup], grads: GradientSource, ctx: StepContext
     ) -> Iterator[tuple[Subgroup, torch.Tensor]]:
         compressor = self.compressor if self.compressor and ctx.step > self.compressor.cfg.warmup_steps else None
         if compressor is not None and compressor.cfg.catch_up:  # every job this step runs the catch-up kernels

@@ -74,11 +74,11 @@ def arm(point: str, strategy: SmartInfinityStrategy, module: GPTModule) -> None:
             return original_write(self, kind, *args)
 
         FileStore.write = write  # type: ignore[method-assign]
-    elif point == "checkpoint":  # the save at step KILL_STEP dies after copying three files
+    elif point == "checkpoint":  # the save at step KILL_STEP (in the background) dies after copying three files
         original_copy = manifest.copy_file
 
         def copy_file(source: Path, target: Path) -> Any:
-            if engine_steps() == KILL_STEP:
+            if f"step={KILL_STEP}.ckpt" in str(target):
                 seen["n"] += 1
                 if seen["n"] == 3:
                     die()
@@ -90,8 +90,10 @@ def arm(point: str, strategy: SmartInfinityStrategy, module: GPTModule) -> None:
 
         def rename(source: Any, target: Any) -> None:
             original_rename(source, target)
-            if engine_steps() == KILL_STEP and ".replaced-" in str(target):
-                die()
+            if ".replaced-" in str(target):  # last.ckpt is replaced by the saves at steps 4 and 6
+                seen["n"] += 1
+                if seen["n"] == KILL_STEP // 2 - 1:
+                    die()
 
         manifest.os.rename = rename  # type: ignore[attr-defined]
     elif point != "none":
