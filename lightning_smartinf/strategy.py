@@ -208,7 +208,8 @@ class SmartInfinityStrategy(ProcessStrategy):
         log.info(chosen.describe())
         self.plan = chosen
         settings = replace(self.schedule, kind="vertical", micro_batches=chosen.micro_batches, overlap=chosen.overlap,
-                           checkpoint_host=chosen.checkpoint_host, checkpoint_nvme=chosen.checkpoint_nvme)
+                           checkpoint_host=chosen.checkpoint_host, checkpoint_nvme=chosen.checkpoint_nvme,
+                           keep_activations=chosen.keep_activations)
         assert self._trainer is not None
         return self._vertical_schedule(self._trainer, settings)
 
@@ -276,6 +277,7 @@ class SmartInfinityStrategy(ProcessStrategy):
         torch.save(checkpoint, buffer)
         trainer_state, step, path = buffer.getvalue(), checkpoint.get("global_step", 0), Path(filepath)
         background = self._fitting and self.offload.async_save
+        fenced_before = engine.fence.waited_s
 
         def write() -> None:
             try:
@@ -288,12 +290,15 @@ class SmartInfinityStrategy(ProcessStrategy):
                 snapshot.hold.close()
             if manifest is None:
                 return
-            stalled = stall if background else time.perf_counter() - started
+            if background:  # the snapshot, then the next step's waits for subgroups not yet copied
+                stalled = stall + engine.fence.waited_s - fenced_before
+            else:
+                stalled = time.perf_counter() - started
             self.last_save = SaveRecord(manifest.path, manifest.nbytes, seconds, stalled)
             log.info(
-                "smart_infinity: checkpoint %s, %s in %.2f s (%.2f s/GB); training waited %.2f s for it",
+                "smart_infinity: checkpoint %s, %s in %.2f s (%.2f s/GB%s); training waited %.2f s for it",
                 manifest.path, human_bytes(manifest.nbytes), seconds, seconds / max(manifest.nbytes / 1e9, 1e-9),
-                stalled,
+                ", in the background" if background else "", stalled,
             )  # fmt: skip
 
         stall = time.perf_counter() - started

@@ -9,6 +9,7 @@ boundary's values while training goes on, and the forward and backward passes be
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 
@@ -45,6 +46,9 @@ class StateFence:
         self.changed = threading.Condition()
         self.held: Counter[str] = Counter()
         """Copies still to make, per subgroup key, over every save in flight."""
+        self.waited_s = 0.0
+        """Seconds the step has waited here in all (what a save in the background cost training, beyond the disk
+        time it shares)."""
 
     def hold(self, keys: Iterable[str]) -> FenceHold:
         """Claim one copy of each key (a key given twice is claimed twice) until the hold releases it."""
@@ -61,6 +65,8 @@ class StateFence:
         """The subgroups in order, each once its state has been copied by every save that holds it."""
         for sg in subgroups:
             if self.is_held(sg.key):
+                started = time.perf_counter()
                 with trace.span(f"wait for the checkpoint's copy of {sg.key}", "wait"), self.changed:
                     self.changed.wait_for(lambda key=sg.key: self.held[key] <= 0)  # type: ignore[misc]
+                    self.waited_s += time.perf_counter() - started
             yield sg

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 import torch
 
+from lightning_smartinf.schedule.kept import activation_bytes
 from lightning_smartinf.schedule.planner import Plan, Workload, measure_machine, plan
 from lightning_smartinf.update.optimizers import torch_update
 from lightning_smartinf.update.smart import SmartUpdater
@@ -22,7 +23,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def workload_of(engine: OffloadEngine, batch: torch.Tensor, checkpoint_bytes_per_sample: int) -> Workload:
+def workload_of(engine: OffloadEngine, batch: torch.Tensor, checkpoint_bytes_per_sample: int,
+                kept_block_bytes: int = 0) -> Workload:  # fmt: skip
     """Bytes and tokens of one iteration on ``batch`` (a (b, t+1) token tensor or any (b, ...) tensor)."""
     params = engine.layout.num_params
     streamed = sum(b.numel for b in engine.layout.streamed) * engine.itemsize
@@ -32,7 +34,8 @@ def workload_of(engine: OffloadEngine, batch: torch.Tensor, checkpoint_bytes_per
     else:  # gradient, master and state in; master and state out; 16-bit params out
         step_read, step_write = (2 + states) * 4 * params, (1 + states) * 4 * params + engine.itemsize * params
     tokens = batch.shape[0] * max(batch.shape[1] - 1, 1) if batch.dim() > 1 else batch.shape[0]
-    return Workload(params, streamed, step_read, step_write, tokens, batch.shape[0], checkpoint_bytes_per_sample)
+    return Workload(params, streamed, step_read, step_write, tokens, batch.shape[0], checkpoint_bytes_per_sample,
+                    len(engine.layout.streamed), kept_block_bytes)  # fmt: skip
 
 
 def update_rate(engine: OffloadEngine, numel: int = 1 << 21) -> float:
@@ -70,6 +73,26 @@ def block_flops(engine: OffloadEngine, hidden: torch.Tensor) -> float:
     return 2.0 * engine.layout.blocks[1].numel * tokens / seconds
 
 
+def kept_block_bytes(engine: OffloadEngine, hidden: torch.Tensor) -> int:
+    """Bytes the first streamed block's kept forward graph holds on ``hidden`` (the whole batch's hidden states)."""
+    if not engine.layout.streamed:
+        return 0
+    engine.params.fetch(1)
+    try:
+        return activation_bytes(engine.block_forwards[0], hidden, engine.block_parameters(1))
+    finally:
+        engine.params.release(1)
+
+
+def activation_memory(engine: OffloadEngine) -> int:
+    """Bytes kept forward graphs may take: on a CPU device, what ``offload.host_memory_budget`` leaves after its
+    placement (the budget comes first to gradients and optimizer state, which save disk traffic, then to graphs,
+    which save compute); on a GPU, the share of free device memory the schedule's checkpoints also draw from."""
+    if engine.device.type == "cuda":
+        return memory_budget(engine.device)
+    return max(0, engine.placement.budget - engine.placement.nbytes)
+
+
 def memory_budget(device: torch.device, share: float = 0.25) -> int:
     """Bytes the schedule may use for activation checkpoints on ``device``: a share of what is free now."""
     if device.type == "cuda":
@@ -85,10 +108,13 @@ def plan_schedule(engine: OffloadEngine, vertical_pre: Callable[[torch.Tensor], 
     with torch.no_grad(), forward_context():
         hidden = vertical_pre(batch)
         flops = block_flops(engine, hidden)
+    with forward_context():
+        kept = kept_block_bytes(engine, hidden)
     boundaries = len(engine.layout.streamed) + 1
-    work = workload_of(engine, batch, hidden[0].numel() * hidden.element_size() * boundaries)
+    work = workload_of(engine, batch, hidden[0].numel() * hidden.element_size() * boundaries, kept)
     machine = measure_machine(engine.device, engine.root, engine.backend, update_rate(engine), engine.param_dtype,
                               memory_budget(engine.device), memory_budget(torch.device("cpu")))  # fmt: skip
+    machine.activation_memory = activation_memory(engine)
     log.info("schedule=auto: the model's blocks run at %.3g TFLOP/s here (a 2048^3 matmul: %.3g)",
              flops / 1e12, machine.flops / 1e12)  # fmt: skip
     return plan(work, dataclasses.replace(machine, flops=min(flops, machine.flops)))

@@ -10,7 +10,7 @@ from the parameters fetched again for backward; every other saved tensor (the ac
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,3 +53,23 @@ def kept_blocks(blocks: int, share: float) -> set[int]:
     backward comes first, so their memory is freed first."""
     count = round(share * blocks)
     return set(range(blocks - count, blocks))
+
+
+def activation_bytes(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                     params: Sequence[torch.Tensor]) -> int:  # fmt: skip
+    """Bytes a kept graph of ``forward(x)`` holds beyond the parameters (each storage counted once): what keeping a
+    block instead of recomputing it costs in memory, measured on the real block (``schedule=auto``)."""
+    storages: dict[int, int] = {}
+    param_storages = {p.data.untyped_storage().data_ptr() for p in params}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in param_storages:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    x = x.detach().requires_grad_(True)
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward(x)
+    del out
+    return sum(storages.values())

@@ -5,12 +5,15 @@ the part of the optimizer step that does not hide behind the next forward pass:
 
     t(M) = max(compute, param_bytes(M) / disk_read) + max(0, step - overlap_window)
 
-    compute         = 8 x params x tokens / FLOP/s     (forward, backward, and the backward's recompute)
+    compute         = (8 - 2 k) x params x tokens / FLOP/s
+                      (forward, backward, and the recompute of the blocks whose graphs are not kept: a share k is)
     param_bytes(M)  = 2 x streamed 16-bit bytes         (vertical: once each way, any M)
                     = 2 x M x streamed 16-bit bytes     (horizontal)
     step            = max(step I/O / disk, params / update rate)
     overlap_window  = overlap x step, at most the next forward (compute / 4)
 
+Kept graphs: GreedySnake recomputes nothing it can afford to keep; the planner keeps as many blocks' forward graphs
+(measured bytes per block) as the activation memory holds, the rest recompute in backward.
 Checkpoints (M x boundaries x hidden bytes) must fit in the device-memory budget; what does not fit goes to host
 memory, then to storage. GreedySnake solves a small linear program over the same quantities; with one disk and one
 device the choice reduces to this search over the divisors of the batch.
@@ -38,6 +41,8 @@ class Machine:
     update_params_per_s: float
     device_memory: int
     host_memory: int
+    activation_memory: int = 0
+    """Bytes kept forward graphs may take (on a CPU device, what ``offload.host_memory_budget`` leaves)."""
 
 
 @dataclass
@@ -50,6 +55,10 @@ class Workload:
     batch_size: int
     checkpoint_bytes_per_sample: int
     """Hidden-state bytes of one sequence summed over all block boundaries."""
+    blocks: int = 0
+    """Streamed blocks (each recomputed in backward unless its graph is kept)."""
+    kept_block_bytes: int = 0
+    """Bytes one streamed block's kept forward graph holds over the whole batch (0: unknown, keep none)."""
 
 
 @dataclass
@@ -60,17 +69,19 @@ class Plan:
     checkpoint_nvme: float
     predicted_s: float
     breakdown: dict[str, float]
+    keep_activations: float = 0.0
 
     def describe(self) -> str:
         parts = ", ".join(f"{k} {v:.3f}s" for k, v in self.breakdown.items())
         return (f"schedule=auto: micro_batches={self.micro_batches}, overlap={self.overlap:.2f}, checkpoints "
-                f"host {self.checkpoint_host:.2f} / nvme {self.checkpoint_nvme:.2f}; predicted {self.predicted_s:.3f}"
-                f" s/iteration ({parts})")  # fmt: skip
+                f"host {self.checkpoint_host:.2f} / nvme {self.checkpoint_nvme:.2f}, keep_activations="
+                f"{self.keep_activations:.2f}; predicted {self.predicted_s:.3f} s/iteration ({parts})")  # fmt: skip
 
 
-def predict(work: Workload, machine: Machine, vertical: bool, micro_batches: int, overlap: float) -> dict[str, float]:
-    """Predicted seconds per iteration, and its parts."""
-    compute = 8.0 * work.params * work.tokens_per_batch / machine.flops
+def predict(work: Workload, machine: Machine, vertical: bool, micro_batches: int, overlap: float,
+            keep: float = 0.0) -> dict[str, float]:  # fmt: skip
+    """Predicted seconds per iteration, and its parts (``keep``: the share of blocks whose graphs are kept)."""
+    compute = (8.0 - 2.0 * keep) * work.params * work.tokens_per_batch / machine.flops
     reads = 2 * work.streamed_param_bytes * (1 if vertical else micro_batches)
     params_io = reads / machine.disk_read
     step = max(work.step_read_bytes / machine.disk_read + work.step_write_bytes / machine.disk_write,
@@ -90,7 +101,15 @@ def checkpoint_placement(work: Workload, machine: Machine, micro_batches: int) -
     return on_host / micro_batches, on_nvme / micro_batches
 
 
+def kept_share(work: Workload, machine: Machine) -> float:
+    """The share of blocks whose forward graphs fit the activation memory (the last blocks keep theirs)."""
+    if not work.blocks or work.kept_block_bytes <= 0:
+        return 0.0
+    return min(work.blocks, machine.activation_memory // work.kept_block_bytes) / work.blocks
+
+
 def plan(work: Workload, machine: Machine, max_micro_batches: int = 16) -> Plan:
+    keep = kept_share(work, machine)  # the graphs cover the whole batch whatever M: the same for every M
     best: Plan | None = None
     for m in range(1, min(max_micro_batches, work.batch_size) + 1):
         if work.batch_size % m:
@@ -98,10 +117,10 @@ def plan(work: Workload, machine: Machine, max_micro_batches: int = 16) -> Plan:
         placement = checkpoint_placement(work, machine, m)
         if placement is None:
             continue
-        parts = predict(work, machine, True, m, 1.0)
+        parts = predict(work, machine, True, m, 1.0, keep)
         overlap = min(1.0, parts["step_hidden"] / parts["step"]) if parts["step"] else 0.0
         if best is None or parts["total"] < best.predicted_s * 0.98:  # prefer fewer micro-batches on near-ties
-            best = Plan(m, overlap, placement[0], placement[1], parts["total"], parts)
+            best = Plan(m, overlap, placement[0], placement[1], parts["total"], parts, keep)
     assert best is not None, "a batch always splits into one micro-batch"
     return best
 

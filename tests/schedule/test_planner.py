@@ -7,9 +7,11 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import fit, make_module, token_loader
 
-from lightning_smartinf.schedule.planner import Machine, Workload, plan, predict
+from lightning_smartinf.schedule.kept import activation_bytes
+from lightning_smartinf.schedule.planner import Machine, Workload, kept_share, plan, predict
 from lightning_smartinf.strategy import SmartInfinityStrategy
 
 GB = 1e9
@@ -44,6 +46,36 @@ def test_plan_splits_the_batch_and_spills_checkpoints_when_memory_is_short() -> 
     assert w.batch_size % roomy.micro_batches == 0 and roomy.checkpoint_host == roomy.checkpoint_nvme == 0.0
     tight = plan(w, machine(memory=w.checkpoint_bytes_per_sample * 2))  # two samples' checkpoints per tier
     assert tight.checkpoint_host + tight.checkpoint_nvme > 0.0
+
+
+def test_kept_graphs_fill_the_activation_memory_and_shrink_the_compute() -> None:
+    w = workload()
+    w.blocks, w.kept_block_bytes = 24, 100 * 2**20
+    assert kept_share(w, machine()) == 0.0  # no activation memory: recompute every block, as before
+    roomy, half = machine(), machine()
+    roomy.activation_memory, half.activation_memory = 24 * w.kept_block_bytes, 12 * w.kept_block_bytes + 1
+    assert kept_share(w, roomy) == 1.0 and kept_share(w, half) == 0.5
+    assert plan(w, half).keep_activations == 0.5
+    recompute, kept = predict(w, roomy, True, 1, 0.0), predict(w, roomy, True, 1, 0.0, keep=1.0)
+    assert kept["compute"] == recompute["compute"] * 6 / 8
+
+
+def test_activation_bytes_counts_what_the_graph_saves_but_not_the_parameters() -> None:
+    block = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    x = torch.randn(4, 8)
+    # the input (saved by the first Linear), the GELU's input and its output (saved by the second Linear), fp32
+    assert activation_bytes(block, x, list(block.parameters())) == 4 * (4 * 8 + 4 * 16 + 4 * 16)
+
+
+@pytest.mark.parametrize("budget", ["0", "1GB"])
+def test_schedule_auto_keeps_graphs_within_the_host_memory_budget(budget: str, tmp_path: Path) -> None:
+    offload = {"nvme_path": str(tmp_path), "subgroup_size": 4096, "io_backend": "threads",
+               "host_memory_budget": budget}  # fmt: skip
+    strategy = SmartInfinityStrategy(offload=offload, update={"host_adam": "torch"}, schedule={"kind": "auto"})
+    trainer = fit(make_module(), strategy, max_steps=2, loader=token_loader(batch_size=4))
+    chosen = trainer.strategy.plan
+    assert chosen is not None and chosen.keep_activations == (0.0 if budget == "0" else 1.0)
+    assert trainer.strategy.vertical.keep == (set() if budget == "0" else {0, 1})
 
 
 def test_schedule_auto_trains_and_logs_its_plan(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
