@@ -213,7 +213,8 @@ def _main(raw: DictConfig) -> None:
     if result is None:
         return
     print(f"\nvalidation loss: {result['val_loss']:.4f} nats/byte")
-    print(f"checkpoint:      {result['checkpoint'] or 'none written (no training step ran)'}")
+    why = "no training step ran" if cfg.trainer.save_final else "trainer.save_final=false"
+    print(f"checkpoint:      {result['checkpoint'] or f'none written ({why})'}")
     print(f"offloaded state: {result['state_dir']}")
     print(f"metrics:         {result['metrics']}")
     print(f"plot:            {result['plot']}")

@@ -25,14 +25,21 @@ log = logging.getLogger(__name__)
 
 def workload_of(engine: OffloadEngine, batch: torch.Tensor, checkpoint_bytes_per_sample: int,
                 kept_block_bytes: int = 0) -> Workload:  # fmt: skip
-    """Bytes and tokens of one iteration on ``batch`` (a (b, t+1) token tensor or any (b, ...) tensor)."""
+    """Bytes and tokens of one iteration on ``batch`` (a (b, t+1) token tensor or any (b, ...) tensor). The step's
+    disk bytes leave out what ``offload.host_memory_budget`` (or ``offload.grads=cpu``) placed in host memory."""
     params = engine.layout.num_params
     streamed = sum(b.numel for b in engine.layout.streamed) * engine.itemsize
     states = len(engine.rule.states) if engine.rule else 0
+    local = engine.layout.local_numel  # the elements this rank steps (all of them on one process)
+    grads_on_disk = engine.cfg.grads == "nvme" and not engine.placement.grads
+    grad_read = 4 * local if grads_on_disk else 0
+    params_write = engine.itemsize * local if engine.cfg.params == "nvme" else 0
     if isinstance(engine.updater, SmartUpdater):  # gradients out, parameters back; state stays in the devices
-        step_read, step_write = 4 * params, 4 * params + engine.itemsize * params
+        step_read, step_write = 4 * local, 4 * local + params_write
     else:  # gradient, master and state in; master and state out; 16-bit params out
-        step_read, step_write = (2 + states) * 4 * params, (1 + states) * 4 * params + engine.itemsize * params
+        on_disk = local - sum(sg.numel for sg in engine.layout.subgroups if sg.key in engine.placement.state)
+        step_read = grad_read + (1 + states) * 4 * on_disk
+        step_write = (1 + states) * 4 * on_disk + params_write
     tokens = batch.shape[0] * max(batch.shape[1] - 1, 1) if batch.dim() > 1 else batch.shape[0]
     return Workload(params, streamed, step_read, step_write, tokens, batch.shape[0], checkpoint_bytes_per_sample,
                     len(engine.layout.streamed), kept_block_bytes)  # fmt: skip

@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import fit, make_module, token_loader
 
+from lightning_smartinf.engine.planning import workload_of
 from lightning_smartinf.schedule.kept import activation_bytes
 from lightning_smartinf.schedule.planner import Machine, Workload, kept_share, plan, predict
 from lightning_smartinf.strategy import SmartInfinityStrategy
@@ -76,6 +77,11 @@ def test_schedule_auto_keeps_graphs_within_the_host_memory_budget(budget: str, t
     chosen = trainer.strategy.plan
     assert chosen is not None and chosen.keep_activations == (0.0 if budget == "0" else 1.0)
     assert trainer.strategy.vertical.keep == (set() if budget == "0" else {0, 1})
+    # the step's disk bytes leave out the gradients and state the budget put in RAM (here: all of them)
+    engine = trainer.strategy.engine
+    work = workload_of(engine, torch.zeros(4, 17, dtype=torch.long), 0)
+    local = engine.layout.local_numel
+    assert work.step_read_bytes == (4 * 4 * local if budget == "0" else 0)  # gradient, master, exp_avg, exp_avg_sq
 
 
 def test_schedule_auto_trains_and_logs_its_plan(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
