@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
@@ -222,9 +223,10 @@ class OffloadEngine:
         self.disk = disk
         pin = self.device.type == "cuda"
         param_store: TensorStore = disk if offload.params == "nvme" else HostStore(pin=pin)
+        gather_group = dist.new_group() if self.layout.world > 1 else None  # the streamer's all-gathers, apart
         self.params = ParamStreamer(self.layout, param_store, self.param_dtype, self.device, offload.prefetch,
                                     self.partition, disk.allocator if param_store is disk else None,
-                                    self.overlapped)  # fmt: skip
+                                    self.overlapped, gather_group)  # fmt: skip
         self.placement = self._place(update)
         self.updater = None
         if self.rule is not None:

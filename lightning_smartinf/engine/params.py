@@ -4,14 +4,23 @@ A streamed block's parameters are empty tensors except while the block runs: ``f
 read of every subgroup of the block into one aligned buffer and points the parameters at views of it (on a CUDA
 device, at a device copy); ``release`` empties them again. ``prefetch`` starts reads early when a buffer is free, so
 at most ``prefetch + 2`` blocks occupy memory. The resident block lives on the device for the whole run.
+
+Data parallel: each rank reads only its chunk of a block, and the block is whole once every rank's chunk is
+all-gathered. A prefetch then hands the block to a gather thread (its own process group), which waits for the
+block's update, reads the chunk and all-gathers it while the current block computes; the trainer's fetch only
+collects the result. Collectives must be issued in the same order on every rank, so in this mode every prefetch
+is taken (none skipped for a busy buffer or a running update: the thread waits for those instead), and the order
+is the schedule's, which every rank shares.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
+from lightning_smartinf import trace
 from lightning_smartinf.core import PARAM, Block, Layout, Subgroup
 from lightning_smartinf.engine.overlap import OverlappedStep
 from lightning_smartinf.engine.partition import Partition
@@ -30,6 +39,7 @@ class ParamStreamer:
         partition: Partition | None = None,
         allocator: Allocator | None = None,
         updates: OverlappedStep | None = None,
+        gather_group: Any = None,
     ) -> None:
         self.layout = layout
         self.partition = partition or Partition(layout)
@@ -48,6 +58,11 @@ class ParamStreamer:
         self._empty = torch.empty(0, dtype=dtype, device=device)
         self.updates = updates or OverlappedStep(len(layout.blocks))
         """Says which blocks a running step is still updating (their fetches wait for it)."""
+        self._gather_group = gather_group
+        self._gatherer = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="smartinf-gather")
+                          if self.partition.world > 1 else None)  # fmt: skip
+        self._gathering: dict[int, Future[tuple[torch.Tensor, torch.Tensor]]] = {}
+        """Data parallel: blocks on their way through the gather thread, as (whole block, the buffer to release)."""
 
     @property
     def host_bytes(self) -> int:
@@ -90,6 +105,10 @@ class ParamStreamer:
     def prefetch(self, index: int) -> None:
         if index in self._loading or index in self._live or not 0 < index < len(self.layout.blocks):
             return
+        if self._gatherer is not None:
+            if index not in self._gathering:
+                self._gathering[index] = self._gatherer.submit(self._read_and_gather, index)
+            return
         if not self.updates.is_current(index):  # its update is still running: read it when it is needed
             return
         raw = self.pool.try_acquire()
@@ -97,32 +116,49 @@ class ParamStreamer:
             self._start_read(self.layout.blocks[index], raw)
 
     def _start_read(self, block: Block, raw: torch.Tensor) -> None:
-        reads = [self.store.read(PARAM, sg.key, self._sg_bytes(raw, sg), sg.numel * self.itemsize, urgent=True)
-                 for sg in block.subgroups]  # fmt: skip
-        self._loading[block.index] = (raw, reads)
+        self._loading[block.index] = (raw, self._read(block, raw))
+
+    def _read(self, block: Block, raw: torch.Tensor) -> list[Future[None]]:
+        return [self.store.read(PARAM, sg.key, self._sg_bytes(raw, sg), sg.numel * self.itemsize, urgent=True)
+                for sg in block.subgroups]  # fmt: skip
 
     def fetch(self, index: int) -> None:
         """Materialise block ``index``'s parameters on the device (blocking until its reads are done)."""
         if index in self._live:
             return
-        self.updates.wait_block(index)  # an overlapped step may still be updating this block
         block = self.layout.blocks[index]
-        if index not in self._loading:
-            self._start_read(block, self.pool.acquire(block.numel * self.itemsize))
-        raw, reads = self._loading.pop(index)
+        if self._gatherer is not None:
+            self.prefetch(index)
+            flat, held = self._gathering.pop(index).result()
+        else:
+            self.updates.wait_block(index)  # an overlapped step may still be updating this block
+            if index not in self._loading:
+                self._start_read(block, self.pool.acquire(block.numel * self.itemsize))
+            flat, held = self._collect(block, *self._loading.pop(index))
+        for slot in block.slots:
+            slot.param.data = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        self._live[index] = held
+
+    def _collect(self, block: Block, raw: torch.Tensor, reads: list[Future[None]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Wait for a block's reads; its tensor on the device, and what to hold until ``release``."""
         for read in reads:
             read.result()
         flat = typed_view(raw, self.dtype, block.numel)
-        if self.device.type != "cpu":
-            flat = flat.to(self.device)
-            self.pool.release(raw)
-        else:
-            self._live[index] = raw
-        self.partition.gather_block(flat, block)  # the other ranks' chunks of this block
-        for slot in block.slots:
-            slot.param.data = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
-        if self.device.type != "cpu":
-            self._live[index] = flat
+        if self.device.type == "cpu":
+            return flat, raw
+        flat = flat.to(self.device)
+        self.pool.release(raw)
+        return flat, flat
+
+    def _read_and_gather(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """On the gather thread: the block once updated, read (this rank's chunk) and all-gathered."""
+        block = self.layout.blocks[index]
+        self.updates.wait_block(index)
+        raw = self.pool.acquire(block.numel * self.itemsize)
+        flat, held = self._collect(block, raw, self._read(block, raw))
+        with trace.span(f"all-gather {index}", "comm", block=index):
+            self.partition.gather_block(flat, block, self._gather_group)
+        return flat, held
 
     def release(self, index: int) -> None:
         held = self._live.pop(index, None)
@@ -136,6 +172,10 @@ class ParamStreamer:
     def release_all(self) -> None:
         for index in list(self._live):
             self.release(index)
+        gathering, self._gathering = list(self._gathering.values()), {}
+        for future in gathering:  # every rank takes part in each gather it queued, used or not
+            if future.exception() is None and self.device.type == "cpu":
+                self.pool.release(future.result()[1])
         for raw, reads in list(self._loading.values()):
             for read in reads:
                 read.result()
@@ -146,6 +186,8 @@ class ParamStreamer:
         """Release every block, wait for parameter writes, then give the buffers back (the engine is closing)."""
         self.release_all()
         self.flush()
+        if self._gatherer is not None:
+            self._gatherer.shutdown(wait=True)
         self.pool.close()
         self.out_pool.close()
 

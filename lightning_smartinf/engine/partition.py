@@ -3,7 +3,9 @@
 Every rank owns one chunk of each block (``Layout.chunk``). Forward and backward all-gather a block's 16-bit
 chunks into the whole block; backward reduce-scatters a block's gradient so each rank keeps the average of its
 chunk; the step all-reduces the squared gradient norm. All of them run on the trainer's thread, in the order the
-schedule visits blocks, which is the same on every rank. With one rank every call is a no-op.
+schedule visits blocks, which is the same on every rank; the parameter streamer's all-gathers run on a thread of
+their own, on a process group of their own, in the order the schedule asks for blocks, so they overlap the block
+computing meanwhile. With one rank every call is a no-op.
 
 A collective that fails (a peer process died: the connection closes; a peer hangs: the process group's timeout)
 raises ``PeerLostError`` naming this rank, the operation and the block, instead of gloo's bare socket message.
@@ -12,7 +14,7 @@ raises ``PeerLostError`` naming this rank, the operation and the block, instead 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -43,13 +45,15 @@ class Partition:
                 "The first error in the other ranks' output says why; resume from the last checkpoint"
             ) from err
 
-    def gather_block(self, flat: torch.Tensor, block: Block) -> None:
-        """Fill ``flat`` (the whole block's buffer, this rank's chunk already in place) with every rank's chunk."""
+    def gather_block(self, flat: torch.Tensor, block: Block, group: Any = None) -> None:
+        """Fill ``flat`` (the whole block's buffer, this rank's chunk already in place) with every rank's chunk;
+        ``group``: the process group to gather on (the parameter streamer's own, from its gather thread)."""
         if self.world == 1:
             return
         lo, hi = self.layout.chunk(block)
         mine = flat[lo:hi].clone()
-        self._run(f"all-gather of block {block.name!r}", lambda: dist.all_gather_single(flat[: block.numel], mine))
+        self._run(f"all-gather of block {block.name!r}",
+                  lambda: dist.all_gather_single(flat[: block.numel], mine, group=group))  # fmt: skip
 
     def reduce_block(self, flat: torch.Tensor, block: Block) -> None:
         """Average ``flat`` (a whole block's fp32 gradient) over the ranks, into this rank's chunk only."""

@@ -3,9 +3,9 @@
     python dp_run.py OUT --devices 2 --batch 4 --schedule vertical --update smart
 
 Writes OUT/masters.pt (every parameter's fp32 master, gathered from all ranks, by rank 0) and OUT/rank{r}.json
-(the bytes of the rank's state files and its traffic counters). ``--die-rank R`` makes rank R exit hard in the
-middle of step 3's backward; ``--save`` checkpoints every 2 steps into OUT/ckpts, ``--resume`` continues from the
-newest there.
+(the bytes of the rank's state files, its traffic counters and the threads that ran its streamed blocks'
+all-gathers during fit). ``--die-rank R`` makes rank R exit hard in the middle of step 3's backward; ``--save``
+checkpoints every 2 steps into OUT/ckpts, ``--resume`` continues from the newest there.
 """
 
 from __future__ import annotations
@@ -15,18 +15,20 @@ import contextlib
 import dataclasses
 import json
 import os
+import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.checkpoint import latest_checkpoint
 from lightning_smartinf.engine.grads import GradientAccumulator
+from lightning_smartinf.engine.partition import Partition
 from lightning_smartinf.meta import meta_parameters
 from lightning_smartinf.models.gpt import GPTConfig, GPTModule
 
@@ -72,7 +74,30 @@ def arm_death(rank: int) -> None:
     GradientAccumulator.add_block = add_block  # type: ignore[method-assign]
 
 
-def run(args: argparse.Namespace) -> SmartInfinityStrategy:
+class WatchGathers(Callback):
+    """Note which threads run the streamed blocks' all-gathers during fit (the streamer's own, to overlap the
+    compute; the resident block's follow the step and the hand-back's gather masters, on the training thread)."""
+
+    def __init__(self) -> None:
+        self.threads: set[str] = set()
+        self.fitting = False
+        original = Partition.gather_block
+
+        def gather_block(partition: Partition, flat: torch.Tensor, block: Any, *args: Any) -> None:
+            if self.fitting and block is not partition.layout.resident:
+                self.threads.add(threading.current_thread().name.rsplit("_", 1)[0])
+            original(partition, flat, block, *args)
+
+        Partition.gather_block = gather_block  # type: ignore[method-assign]
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.fitting = True
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.fitting = False
+
+
+def run(args: argparse.Namespace, gathers: WatchGathers) -> SmartInfinityStrategy:
     torch.manual_seed(0)
     with meta_parameters() if args.meta else contextlib.nullcontext():
         module = GPTModule(replace(TINY, n_embd=args.width), optimizer=args.optimizer, lr=1e-2)
@@ -93,8 +118,8 @@ def run(args: argparse.Namespace) -> SmartInfinityStrategy:
     saving = [ModelCheckpoint(dirpath=ckpts, every_n_train_steps=2, save_top_k=-1)] if args.save else []
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=args.devices, max_steps=args.steps, logger=False,
-        callbacks=saving, enable_checkpointing=args.save, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, gradient_clip_val=args.clip, precision=args.precision,
+        callbacks=[*saving, gathers], enable_checkpointing=args.save, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, gradient_clip_val=args.clip, precision=args.precision,
     )  # fmt: skip
     if args.die_rank is not None and trainer.global_rank == args.die_rank:
         arm_death(args.die_rank)
@@ -105,13 +130,14 @@ def run(args: argparse.Namespace) -> SmartInfinityStrategy:
     return strategy
 
 
-def report(args: argparse.Namespace, strategy: SmartInfinityStrategy) -> None:
+def report(args: argparse.Namespace, strategy: SmartInfinityStrategy, gathers: WatchGathers) -> None:
     engine = strategy.engine
     assert engine is not None
     masters = strategy.consolidated_state_dict()  # a collective: every rank takes part
     files = [p for p in engine.root.rglob("*") if p.is_file() and not p.name.startswith(".")]
     plan = dataclasses.asdict(strategy.plan) if strategy.plan else None
-    record = {"disk_bytes": sum(p.stat().st_size for p in files), "traffic": engine.counters.table(), "plan": plan}
+    record = {"disk_bytes": sum(p.stat().st_size for p in files), "traffic": engine.counters.table(), "plan": plan,
+              "gather_threads": sorted(gathers.threads)}  # fmt: skip
     (args.out / f"rank{strategy.global_rank}.json").write_text(json.dumps(record))
     if strategy.global_rank == 0:
         torch.save(masters, args.out / "masters.pt")
@@ -121,4 +147,5 @@ def report(args: argparse.Namespace, strategy: SmartInfinityStrategy) -> None:
 if __name__ == "__main__":
     arguments = parse()
     arguments.out.mkdir(parents=True, exist_ok=True)
-    report(arguments, run(arguments))
+    watch = WatchGathers()
+    report(arguments, run(arguments, watch), watch)
