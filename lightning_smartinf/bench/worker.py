@@ -3,7 +3,7 @@
 A fresh process per run keeps DeepSpeed's global state, the distributed group, the page cache pressure and the
 peak-memory reading of one system from leaking into another's. Every system is timed the same way: wall time
 between consecutive optimizer steps after the warm-up, and the disk's own byte counters (``/proc/diskstats``) over
-the same steps.
+the same steps. ``compute`` is not a system but the bound's compute term, measured the same way.
 """
 
 from __future__ import annotations
@@ -135,12 +135,38 @@ def run_smart_infinity(system: str, w: Workload, disk: str | None) -> dict[str, 
     return summarize(stamps.samples, w.warmup, w, extra)
 
 
+def run_compute(w: Workload) -> dict[str, Any]:
+    """The bound's compute term: plain PyTorch forward and backward of one optimizer step's micro-batches, the
+    model in memory, nothing recomputed, no I/O and no optimizer (the work every system must do at the least)."""
+    torch.manual_seed(0)
+    device = torch.device(w.accelerator)
+    model = GPT(GPTConfig(**w.model)).to(device)
+    vocab = w.model["vocab_size"]
+    data = torch.randint(0, vocab, (w.micro_batch, w.seq_len + 1), device=device)
+    dtypes = {"bf16": torch.bfloat16, "16": torch.float16}
+    dtype = next((d for prefix, d in dtypes.items() if w.precision.startswith(prefix)), None)
+    times = []
+    for _ in range(w.warmup + w.steps):
+        start = time.perf_counter()
+        for _ in range(w.micro_batches):
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                logits = model(data[:, :-1])
+            F.cross_entropy(logits.float().reshape(-1, vocab), data[:, 1:].reshape(-1)).backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return {"seconds_per_step": statistics.median(times[w.warmup :]), "step_seconds": times[w.warmup :]}
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     system, w = spec["system"], Workload(**spec["workload"])
     Path(w.nvme_path).mkdir(parents=True, exist_ok=True)
     disk = disk_of(Path(w.nvme_path))
-    result = run_deepspeed(w, disk) if system == "a" else run_smart_infinity(system, w, disk)
+    if system == "compute":
+        result = run_compute(w)
+    else:
+        result = run_deepspeed(w, disk) if system == "a" else run_smart_infinity(system, w, disk)
     Path(sys.argv[2]).write_text(json.dumps({"system": system, **result}, indent=2))
 
 

@@ -63,7 +63,7 @@ def run_one(system: str, w: Workload, work: Path, rep: int) -> dict[str, Any]:
                           capture_output=True, text=True)  # fmt: skip
     shutil.rmtree(state, ignore_errors=True)
     if done.returncode != 0:
-        raise SystemExit(f"system ({system}) {NAMES[system]} failed:\n{done.stderr[-4000:]}")
+        raise SystemExit(f"system ({system}) {NAMES.get(system, 'compute probe')} failed:\n{done.stderr[-4000:]}")
     return dict(json.loads(out.read_text()))
 
 
@@ -74,6 +74,12 @@ def roofline(system: str, r: dict[str, Any], w: Workload, m: Machine) -> float:
     compute = flops_per_token * r["params"] * w.tokens_per_step / m.flops
     disk = r["disk_read_per_step"] / m.disk_read + r["disk_write_per_step"] / m.disk_write
     return max(compute, disk)
+
+
+def bound(r: dict[str, Any], compute: float, m: Machine) -> float:
+    """The bound from this run's own measurements: max(the measured forward and backward of the step's
+    micro-batches, nothing recomputed; the system's disk bytes at the measured read and write speeds)."""
+    return max(compute, r["disk_read_per_step"] / m.disk_read + r["disk_write_per_step"] / m.disk_write)
 
 
 def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -95,7 +101,8 @@ def describe_machine(m: Machine) -> str:
             f"torch {torch.__version__}")  # fmt: skip
 
 
-def report(results: dict[str, dict[str, Any]], w: Workload, m: Machine, args: argparse.Namespace) -> str:
+def report(results: dict[str, dict[str, Any]], compute: float, w: Workload, m: Machine,
+           args: argparse.Namespace) -> str:
     base = results.get("a")
     params = next(iter(results.values()))["params"]
     lines = [
@@ -104,13 +111,15 @@ def report(results: dict[str, dict[str, Any]], w: Workload, m: Machine, args: ar
         f"{args.reps} interleaved repetitions of {w.steps} timed steps after {w.warmup} warm-up.",
         f"Machine: {describe_machine(m)}.",
         f"Command: `smartinf-bench {' '.join(sys.argv[1:])}`",
+        f"Compute (forward and backward of the step's micro-batches, plain PyTorch, model in memory): {compute:.2f} s.",
         "",
         "| system | s/step | tokens/s | vs (a) | host link B/param | device links B/param | disk GB/step "
-        "(read+write) | peak host RSS GiB | roofline s | of roofline |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "(read+write) | peak host RSS GiB | roofline s | of roofline | bound s | x bound |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for system, r in results.items():
-        bound = roofline(system, r, w, m)
+        peak = roofline(system, r, w, m)
+        measured = bound(r, compute, m)
         host = r["host_link_per_step"]
         host = (r["disk_read_per_step"] + r["disk_write_per_step"]) if host is None else host
         device = r["device_link_per_step"] or 0.0
@@ -120,14 +129,16 @@ def report(results: dict[str, dict[str, Any]], w: Workload, m: Machine, args: ar
         lines.append(
             f"| ({system}) {NAMES[system]} | {r['seconds_per_step']:.2f} | {tokens:.0f} "
             f"| {ratio} | {host / params:.1f} | {device / params:.1f} | {disk:.2f} | {r['peak_rss_bytes'] / 2**30:.1f} "
-            f"| {bound:.2f} | {bound / r['seconds_per_step']:.0%} |"
+            f"| {peak:.2f} | {peak / r['seconds_per_step']:.0%} | {measured:.2f} "
+            f"| {r['seconds_per_step'] / measured:.2f}x |"
         )  # fmt: skip
     lines += [
         "",
         "Host link for (a) is its disk traffic (all of it crosses host memory); for (b)-(e) it is the engine's byte "
         "counters (payload). Roofline: max(compute, disk read / read bandwidth + disk write / write bandwidth) with "
         f"6 FLOP/param/token for (a), 8 for (b) (recomputed block forward), {6 + 2 * (1 - w.keep_activations):g} for "
-        f"(c)-(e) (--keep-activations {w.keep_activations:g}).",
+        f"(c)-(e) (--keep-activations {w.keep_activations:g}). Bound: max(the compute above, measured in this run; "
+        "the system's disk bytes at the measured disk speeds); x bound: the step time over it.",
     ]
     return "\n".join(lines)
 
@@ -156,6 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     size.add_argument("--full", action="store_true", help="GPT-350M shapes, two repetitions")
     parser.add_argument("--recipe", help="a recipe name (recipes/*.yaml) for the model shape")
     parser.add_argument("--layers", type=int, help="override the recipe's n_layer (smaller runs)")
+    parser.add_argument("--vocab", type=int, help="override the recipe's vocab_size (e.g. 256: bytes)")
     parser.add_argument("--seq", type=int)
     parser.add_argument("--micro-batch", type=int)
     parser.add_argument("--micro-batches", type=int)
@@ -181,6 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     model = recipe_model(args.recipe, args.seq)
     if args.layers:
         model["n_layer"] = args.layers
+    if args.vocab:
+        model["vocab_size"] = args.vocab
     nvme = Path(args.nvme_path).absolute()
     nvme.mkdir(parents=True, exist_ok=True)
     w = Workload(model, args.seq, args.micro_batch, args.micro_batches, args.precision, str(nvme), args.devices,
@@ -193,17 +207,22 @@ def main(argv: list[str] | None = None) -> None:
     machine = probe_machine(torch.device(args.accelerator), nvme, dtype)
     (out / "deepspeed_config.json").write_text(json.dumps(deepspeed_config(w, str(nvme / "bench_a")), indent=2))
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in args.systems}
+    computes: list[float] = []
     for rep in range(args.reps):
+        computes.append(run_one("compute", w, work, rep)["seconds_per_step"])
+        print(f"rep {rep + 1}/{args.reps} compute (forward + backward, in memory): {computes[-1]:.2f} s/step",
+              flush=True)  # fmt: skip
         for system in args.systems:
             result = run_one(system, w, work, rep)
             runs[system].append(result)
             print(f"rep {rep + 1}/{args.reps} ({system}) {NAMES[system]}: {result['seconds_per_step']:.2f} s/step",
                   flush=True)  # fmt: skip
     results = {s: aggregate(r) for s, r in runs.items()}
-    table = report(results, w, machine, args)
+    compute = statistics.median(computes)
+    table = report(results, compute, w, machine, args)
     print(table)
     (out / "benchmarks.md").write_text(table + "\n")
-    (out / "benchmarks.json").write_text(json.dumps({"args": vars(args), "results": results,
+    (out / "benchmarks.json").write_text(json.dumps({"args": vars(args), "results": results, "compute": computes,
                                                      "machine": machine.__dict__}, indent=2))  # fmt: skip
     plot(results, w, out / "benchmarks.png")
     print(f"wrote {out / 'benchmarks.md'}, {out / 'benchmarks.png'}, {out / 'deepspeed_config.json'}")

@@ -54,6 +54,9 @@ def test_bench_against_deepspeed_small(tmp_path: Path) -> None:
                      "--micro-batches", "2", "--steps", "1", "--systems", "a", "b", "c", "--out", str(tmp_path / "out"),
                      "--nvme-path", str(tmp_path / "state"), cwd=tmp_path)  # fmt: skip
     assert "| (a) DeepSpeed ZeRO-Infinity |" in out and "| (c) + vertical + overlap |" in out
+    row = next(line for line in out.splitlines() if line.startswith("| (c) + vertical + overlap |"))
+    assert len(row.split("|")) == 14 and row.endswith("x |")  # 12 columns, the last the step over the bound
+    assert "Compute (forward and backward" in out
     config = (tmp_path / "out" / "deepspeed_config.json").read_text()
     assert '"intra_op_parallelism": 2' in config and '"device": "nvme"' in config
     assert (tmp_path / "out" / "benchmarks.png").stat().st_size > 10_000
