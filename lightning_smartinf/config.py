@@ -63,7 +63,7 @@ class OffloadConfig:
     """Host memory the engine may fill with what would otherwise cross the disk, placed by value per byte
     (engine/placement.py): the fp32 gradients first, then the master and optimizer state of the first subgroups
     (each one in RAM saves 24 B/param of disk traffic per Adam step). A size (``8GB``, ``512MB``), ``auto`` (half
-    of the host memory available at set-up), or ``0``: everything on storage."""
+    of the host memory available at set-up, shared by the ranks on the host), or ``0``: everything on storage."""
     return_weights: str = "auto"
     """What the module's parameters hold between stages (after fit, validate, test, predict): ``module``, the trained
     values in their original dtypes (host memory: the model's size); ``meta``, meta tensors that fail on any use,

@@ -1,8 +1,13 @@
 """How much host memory this process may still use: the machine's available memory, or less under a cgroup limit
-(v1 ``memory.limit_in_bytes`` or v2 ``memory.max``), since a container's limit is what the kernel enforces."""
+(v1 ``memory.limit_in_bytes`` or v2 ``memory.max``), since a container's limit is what the kernel enforces; and
+giving freed heap memory back to the system."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -44,3 +49,20 @@ def host_available_bytes() -> int:
     available = int(psutil.virtual_memory().available)
     headroom = _cgroup_headroom()
     return available if headroom is None else min(available, headroom)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    libc = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None  # glibc only
+    return trim  # type: ignore[no-any-return]
+
+
+def release_free_heap() -> None:
+    """Hand the heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere nothing). After glibc frees
+    one large block it raises its mmap threshold to that size, so the next blocks of that size come from the heap,
+    whose freed pages it keeps: a loop over same-sized blocks (set-up, one block at a time) then grows the process
+    by a few blocks at random. Trimming after each block keeps it at one."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

@@ -162,7 +162,7 @@ class SmartInfinityStrategy(ProcessStrategy):
                 self.model, optimizer, self.offload, self.update, self.root_device, precision.param_dtype,
                 loss_scaling=precision.precision == "16-mixed", compression=self.compression,
                 overlap=self.schedule.overlap, rank=self.global_rank, world=self.world_size,
-                init_from=self.init_from,
+                init_from=self.init_from, ranks_per_host=self.num_processes,
             )  # fmt: skip
             log.info(
                 "smart_infinity: %d params in %d blocks, %d subgroups; storage %s; update %s; host buffers %.1f MiB",

@@ -36,7 +36,7 @@ from lightning_smartinf.engine.partition import Partition
 from lightning_smartinf.engine.placement import HostPlacement, place
 from lightning_smartinf.engine.pretrained import PretrainedSource
 from lightning_smartinf.errors import ConfigError, HostMemoryError
-from lightning_smartinf.memory import host_available_bytes
+from lightning_smartinf.memory import host_available_bytes, release_free_heap
 from lightning_smartinf.schedule.horizontal import find_blocks, unwrap_blocks, wrap_blocks
 from lightning_smartinf.storage.aligned import align_up, aligned_bytes, typed_view
 from lightning_smartinf.storage.counters import TrafficCounters
@@ -133,6 +133,7 @@ class OffloadEngine:
         rank: int = 0,
         world: int = 1,
         init_from: str | Path | None = None,
+        ranks_per_host: int = 1,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -157,6 +158,8 @@ class OffloadEngine:
                     "(docs/compression.md); add compression.catch_up=true"
                 )
         self.overlap = overlap
+        self.ranks_per_host = ranks_per_host
+        """Ranks sharing this host's memory: ``offload.host_memory_budget=auto`` gives each its share."""
         self._eager: queue.Queue[Subgroup | None] | None = None
         self._eager_norm = 0.0
 
@@ -244,7 +247,10 @@ class OffloadEngine:
         """``offload.host_memory_budget``: what of the state lives in host memory (engine/placement.py)."""
         setting = self.cfg.host_memory_budget
         key = "offload.host_memory_budget"
-        budget = host_available_bytes() // 2 if setting == "auto" else parse_bytes(key, setting)
+        if setting == "auto":  # half of what is available, shared by the ranks on this host
+            budget = host_available_bytes() // (2 * self.ranks_per_host)
+        else:
+            budget = parse_bytes(key, setting)
         kinds = len(self.rule.states) if self.rule is not None else 0
         host_update = self.rule is not None and update.backend == "host"
         placement = place(budget, self.layout, kinds, self.cfg.grads == "cpu", host_update)
@@ -318,6 +324,7 @@ class OffloadEngine:
             if self.updater is not None:
                 self.updater.initialize(block.subgroups, self._initial_master)
             self.params.initialize_block(block)
+            release_free_heap()
         self.block_forwards = wrap_blocks(self, self.block_modules)
 
     def _share(self, initialized: list[ParamSlot]) -> None:

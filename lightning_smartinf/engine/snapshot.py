@@ -60,6 +60,16 @@ def _ram_entries(engine: OffloadEngine) -> list[tuple[str, str, str]]:
             for kind in _kinds(engine) for sg in engine.layout.subgroups if sg.key in tiered.host_keys]  # fmt: skip
 
 
+def _ram_tensors(engine: OffloadEngine) -> list[tuple[str, torch.Tensor, str]]:
+    """(subgroup key, live tensor, path inside the checkpoint) of the state in host memory that exists: as with
+    files, before the first step there are masters but no optimizer state yet."""
+    tiered = _in_ram(engine)
+    if tiered is None:
+        return []
+    return [(key, tiered.host.tensor(kind, key), relative) for kind, key, relative in _ram_entries(engine)
+            if tiered.host.exists(kind, key)]  # fmt: skip
+
+
 def state_files(engine: OffloadEngine) -> list[tuple[str, Path, str]]:
     """(subgroup key, live file, path inside the checkpoint ``state{i}/{kind}/{subgroup}``) for every state file,
     in the order the step updates the subgroups (so a save in the background copies first what is needed first)."""
@@ -144,8 +154,7 @@ def engine_nbytes(engine: OffloadEngine) -> int:
     """Bytes a checkpoint of the engine's state takes."""
     compressor = engine.compressor
     residuals = sum(compressor.residual_bytes.values()) if compressor is not None else 0
-    tiered = _in_ram(engine)
-    in_ram = sum(tiered.host.tensor(kind, key).numel() for kind, key, _ in _ram_entries(engine)) if tiered else 0
+    in_ram = sum(tensor.numel() for _, tensor, _ in _ram_tensors(engine))
     return sum(live.stat().st_size for _, live, _ in state_files(engine)) + residuals + in_ram
 
 
@@ -174,9 +183,7 @@ def take_snapshot(engine: OffloadEngine) -> EngineSnapshot:
     a subgroup's state (or ``hold.close()`` gives up), the next step waits before touching it."""
     engine.wait_step()
     files = state_files(engine)
-    tiered = _in_ram(engine)
-    tensors = [(key, tiered.host.tensor(kind, key), relative) for kind, key, relative in _ram_entries(engine)
-               ] if tiered is not None else []  # fmt: skip
+    tensors = _ram_tensors(engine)
     blobs = {}
     compressor = engine.compressor
     if compressor is not None and compressor.has_state:
@@ -221,6 +228,8 @@ def load_engine_state(engine: OffloadEngine, manifest: Manifest, prefix: str, me
     tiered = _in_ram(engine)
     for kind, key, relative in _ram_entries(engine):
         assert tiered is not None
+        if not (root / relative).is_file():  # saved before the first step: no optimizer state yet
+            continue
         data = torch.frombuffer(bytearray((root / relative).read_bytes()), dtype=torch.uint8)
         tiered.host.write(kind, key, data, data.numel())
     in_ram = tiered.host_keys if tiered is not None else frozenset()

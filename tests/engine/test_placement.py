@@ -14,7 +14,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.checkpoint import latest_checkpoint
+from lightning_smartinf.config import UpdateConfig
+from lightning_smartinf.engine import engine as engine_module
 from lightning_smartinf.engine.placement import place
+from lightning_smartinf.engine.snapshot import engine_nbytes
 from lightning_smartinf.errors import ConfigError
 
 
@@ -70,3 +73,31 @@ def test_a_checkpoint_of_state_in_ram_resumes_exactly_under_any_budget(tmp_path:
     for budget in ("210KB", "0", "10MB"):
         got = train(tmp_path / f"resumed-{budget}", 6, budget, resume=resume)
         assert all(torch.equal(got[k], expected[k]) for k in expected), budget
+
+
+def test_auto_takes_half_the_available_memory_shared_by_the_ranks_on_the_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(engine_module, "host_available_bytes", lambda: 64 * 2**20)
+    trainer = fit(make_module(), strategy(tmp_path, "auto"), max_steps=1)
+    engine = trainer.strategy.engine
+    assert engine.ranks_per_host == 1 and engine.placement.budget == 32 * 2**20
+    engine.ranks_per_host = 2  # as for a second process on this host (trainer.devices=2)
+    assert engine._place(UpdateConfig()).budget == 16 * 2**20
+
+
+def test_a_checkpoint_sized_before_the_first_step_counts_the_masters_in_ram(tmp_path: Path) -> None:
+    """Before the first step the state in RAM is masters only (the moments appear with the step)."""
+    sizes: list[int] = []
+
+    class Size(pl.Callback):
+        def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            sizes.append(engine_nbytes(trainer.strategy.engine))  # type: ignore[attr-defined]
+
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            sizes.append(engine_nbytes(trainer.strategy.engine))  # type: ignore[attr-defined]
+
+    trainer = fit(make_module(), strategy(tmp_path, "10MB"), max_steps=1, callbacks=[Size()])
+    engine = trainer.strategy.engine
+    assert len(engine.placement.state) == len(engine.layout.subgroups)  # everything in RAM
+    assert sizes[1] == 3 * sizes[0] > 0  # master, then master and both moments
