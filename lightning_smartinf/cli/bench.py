@@ -111,7 +111,8 @@ def report(results: dict[str, dict[str, Any]], compute: float, w: Workload, m: M
         f"{args.reps} interleaved repetitions of {w.steps} timed steps after {w.warmup} warm-up.",
         f"Machine: {describe_machine(m)}.",
         f"Command: `smartinf-bench {' '.join(sys.argv[1:])}`",
-        f"Compute (forward and backward of the step's micro-batches, plain PyTorch, model in memory): {compute:.2f} s.",
+        f"Compute (forward and backward of the step's micro-batches, plain PyTorch, model in memory, weights in the "
+        f"training dtype): {compute:.2f} s.",
         "",
         "| system | s/step | tokens/s | vs (a) | host link B/param | device links B/param | disk GB/step "
         "(read+write) | peak host RSS GiB | roofline s | of roofline | bound s | x bound |",
