@@ -59,11 +59,13 @@ class OffloadConfig:
     async_save: bool = True
     """Checkpoints saved during fit are written in the background while training goes on (the next step waits only
     at a subgroup whose state is not yet copied); ``false``: training waits for each save."""
-    host_memory_budget: str = "0"
+    host_memory_budget: str = "auto"
     """Host memory the engine may fill with what would otherwise cross the disk, placed by value per byte
     (engine/placement.py): the fp32 gradients first, then the master and optimizer state of the first subgroups
-    (each one in RAM saves 24 B/param of disk traffic per Adam step). A size (``8GB``, ``512MB``), ``auto`` (half
-    of the host memory available at set-up, shared by the ranks on the host), or ``0``: everything on storage."""
+    (each one in RAM saves 24 B/param of disk traffic per Adam step), then kept forward graphs. ``auto`` (the
+    default): half of the host memory available at set-up (shared by the ranks on the host), less what the engine
+    holds whatever the budget (its buffer pools, resident set and set-up's working set); a size (``8GB``,
+    ``512MB``); or ``0``: everything on storage."""
     return_weights: str = "auto"
     """What the module's parameters hold between stages (after fit, validate, test, predict): ``module``, the trained
     values in their original dtypes (host memory: the model's size); ``meta``, meta tensors that fail on any use,

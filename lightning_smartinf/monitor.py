@@ -99,6 +99,7 @@ class SmartInfinityMonitor(Callback):
             "storage_backend": engine.backend.name,
             "updater": engine.updater.name if engine.updater else None,
             "engine_host_buffers_MiB": engine.host_memory_bytes / 2**20,
+            "host_memory_placement": engine.placement.describe(engine.layout),
             "compression": engine.compressor.summary() if engine.compressor is not None else None,
             "traffic_bytes": table,
             "traffic_bytes_per_rank": [r["table"] for r in ranks],
@@ -128,6 +129,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         *([f"  resumed at step {summary['resumed_at_step']}"] if summary.get("resumed_at_step") else []),
         f"  storage: {summary['storage_backend']}",
         f"  update:  {summary['updater']}; engine host buffers {summary['engine_host_buffers_MiB']:.1f} MiB",
+        *([f"  memory:  {summary['host_memory_placement']}"] if summary.get("host_memory_placement") else []),
         f"  host link: {summary['host_link_bytes_per_param_per_step']:.2f} B/param/step (params, grads, state)"
         + (f", summed over {ranks} ranks" if ranks > 1 else ""),
         *([f"  per rank:  {', '.join(f'rank {r} {n / 2**20:.1f} MiB' for r, n in enumerate(per_rank))}"]

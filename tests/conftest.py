@@ -40,11 +40,14 @@ def _quiet() -> None:
 
 @pytest.fixture
 def smart(tmp_path: Path) -> Callable[..., lightning_smartinf.SmartInfinityStrategy]:
-    """A factory of strategies with their state under the test's tmp_path (thread I/O, torch Adam: no compiles)."""
+    """A factory of strategies with their state under the test's tmp_path (thread I/O, torch Adam: no compiles), all
+    of it on storage (``host_memory_budget=0``): the suite checks the storage path, tests/engine/test_placement.py
+    the default budget's placement in RAM."""
 
     def build(**offload: Any) -> lightning_smartinf.SmartInfinityStrategy:
         update = {"host_adam": "torch", **offload.pop("update", {})}
-        settings = {"nvme_path": str(tmp_path / "state"), "subgroup_size": 4096, "io_backend": "threads", **offload}
+        settings = {"nvme_path": str(tmp_path / "state"), "subgroup_size": 4096, "io_backend": "threads",
+                    "host_memory_budget": "0", **offload}
         settings["nvme_path"] = str(settings["nvme_path"])
         return lightning_smartinf.SmartInfinityStrategy(offload=settings, update=update)
 

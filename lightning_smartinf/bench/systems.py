@@ -42,8 +42,9 @@ class Workload:
     """(e) runs SmartComp with ``compression.catch_up`` (docs/compression.md)."""
     keep_activations: float = 1.0
     """(c)-(e): ``schedule.keep_activations``, the share of blocks whose backward needs no recompute."""
-    host_memory_budget: str = "0"
-    """(b)-(e): ``offload.host_memory_budget`` (optimizer state in RAM; their gradients are in RAM anyway)."""
+    host_memory_budget: str = "auto"
+    """(b)-(e): ``offload.host_memory_budget`` (optimizer state in RAM; their gradients are in RAM anyway), ``auto``
+    as the engine's default; give a size to compare with DeepSpeed at a host memory of your choosing."""
 
     @property
     def tokens_per_step(self) -> int:

@@ -179,8 +179,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--devices", type=int, default=2, help="near-storage devices for (d) and (e)")
     parser.add_argument("--keep-activations", type=float, default=1.0,
                         help="(c)-(e): share of blocks whose forward graph serves backward (0: recompute all)")
-    parser.add_argument("--host-memory-budget", default="0",
-                        help="(b)-(e): offload.host_memory_budget, e.g. 2GB of optimizer state in RAM (default 0)")
+    parser.add_argument("--host-memory-budget", default="auto",
+                        help="(b)-(e): offload.host_memory_budget, e.g. 2GB of optimizer state in RAM, or 0 (default "
+                        "auto, as smartinf-train)")
     parser.add_argument("--catch-up", action="store_true", help="(e) with compression.catch_up (docs/compression.md)")
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--accelerator", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -77,7 +77,8 @@ def run_mode(
     steps = args.warmup + args.steps
     data = torch.randint(0, 256, (batch * steps * (1 if vertical else micro_batches), args.seq + 1))
     strategy = SmartInfinityStrategy(
-        offload={"nvme_path": nvme_path, "subgroup_size": args.subgroup_size}, schedule=schedule
+        offload={"nvme_path": nvme_path, "subgroup_size": args.subgroup_size, "host_memory_budget": "0"},
+        schedule=schedule,
     )
     timer = StepTimer()
     trainer = pl.Trainer(

@@ -33,7 +33,7 @@ from lightning_smartinf.engine.materialize import Materializer
 from lightning_smartinf.engine.overlap import OverlappedStep
 from lightning_smartinf.engine.params import ParamStreamer
 from lightning_smartinf.engine.partition import Partition
-from lightning_smartinf.engine.placement import HostPlacement, place
+from lightning_smartinf.engine.placement import HostPlacement, auto_budget, place
 from lightning_smartinf.engine.pretrained import PretrainedSource
 from lightning_smartinf.errors import ConfigError, HostMemoryError
 from lightning_smartinf.memory import host_available_bytes, release_free_heap
@@ -230,46 +230,72 @@ class OffloadEngine:
         self.params = ParamStreamer(self.layout, param_store, self.param_dtype, self.device, offload.prefetch,
                                     self.partition, disk.allocator if param_store is disk else None,
                                     self.overlapped, gather_group)  # fmt: skip
-        self.placement = self._place(update)
+        # the stores a placement may split between RAM and disk are built first, empty of RAM names, so that
+        # ``auto`` sees every buffer pool the engine allocates before it sizes the budget
+        budget = self.cfg.host_memory_budget
+        placing = budget == "auto" or parse_bytes("offload.host_memory_budget", budget) > 0
+        host_update = self.rule is not None and update.backend == "host"
+        state_tier = TieredStore(disk, HostStore(), frozenset()) if placing and host_update else None
         self.updater = None
         if self.rule is not None:
-            self.updater = self._make_updater(self.rule, update, disk)
-        grad_store: TensorStore = disk if offload.grads == "nvme" and not self.placement.grads else HostStore()
-        if isinstance(self.updater, SmartUpdater) and offload.grads == "nvme":
-            grad_store = self.updater.gradient_store()
+            self.updater = self._make_updater(self.rule, update, disk, state_tier)
+        grad_tier = TieredStore(disk, HostStore(), frozenset()) if placing and offload.grads == "nvme" else None
+        grad_store: TensorStore = grad_tier or (disk if offload.grads == "nvme" else HostStore())
+        if isinstance(self.updater, SmartUpdater) and offload.grads == "nvme":  # into the devices' own stores
+            grad_tier, grad_store = None, self.updater.gradient_store()
         grad_allocator = None if isinstance(grad_store, HostStore) else disk.allocator  # any page-locked one serves
         self.grads = GradientAccumulator(self.layout, grad_store, offload.step_lookahead, grad_allocator)
         self._grad_flat = aligned_bytes(self.layout.max_block_numel * 4)
+        self.placement = self._place(grad_tier is not None, state_tier is not None)
+        if grad_tier is not None and self.placement.grads:
+            grad_tier.host_keys = frozenset(sg.key for sg in self.layout.subgroups)
+        if state_tier is not None:
+            state_tier.host_keys = self.placement.state
         self._check_host_memory(needed)
         self._initialize()
 
-    def _place(self, update: UpdateConfig) -> HostPlacement:
-        """``offload.host_memory_budget``: what of the state lives in host memory (engine/placement.py)."""
+    def _place(self, grads: bool, state: bool) -> HostPlacement:
+        """``offload.host_memory_budget``: what of the state lives in host memory (engine/placement.py); ``grads``
+        and ``state``: whether the gradients and the optimizer state may go there."""
         setting = self.cfg.host_memory_budget
-        key = "offload.host_memory_budget"
-        if setting == "auto":  # half of what is available, shared by the ranks on this host
-            budget = host_available_bytes() // (2 * self.ranks_per_host)
+        if setting == "auto":
+            available, reserved = host_available_bytes(), self._reserved_bytes()
+            budget = auto_budget(available, self.ranks_per_host, reserved)
+            log.info("smart_infinity host memory budget auto: half of %s available%s, less the %s the engine holds "
+                     "whatever the budget (pools, resident set, set-up's working set): %s", human_bytes(available),
+                     f" shared by {self.ranks_per_host} ranks" if self.ranks_per_host > 1 else "",
+                     human_bytes(reserved), human_bytes(budget))  # fmt: skip
         else:
-            budget = parse_bytes(key, setting)
+            budget = parse_bytes("offload.host_memory_budget", setting)
         kinds = len(self.rule.states) if self.rule is not None else 0
-        host_update = self.rule is not None and update.backend == "host"
-        placement = place(budget, self.layout, kinds, self.cfg.grads == "cpu", host_update)
+        placement = place(budget, self.layout, kinds, grads, state)
         if budget:
             log.info("smart_infinity %s", placement.describe(self.layout))
         return placement
 
+    def _resident_bytes(self) -> int:
+        """Host memory of the resident block: its 16-bit copy, its autograd gradients and the fp32 gradient
+        gathered from them (on a GPU only the last stays on the host)."""
+        numel = self.layout.resident.numel
+        return numel * (2 * self.itemsize + 4) if self.device.type == "cpu" else numel * 4
+
+    def _working_bytes(self) -> int:
+        """Set-up's working set: the largest block in its own dtype."""
+        return max((sum(s.nbytes for s in b.slots) for b in self.layout.blocks), default=0)
+
+    def _reserved_bytes(self) -> int:
+        """Host memory the engine takes whatever the budget: its buffer pools, the resident set, set-up's working
+        set."""
+        return self.host_memory_bytes + self._resident_bytes() + self._working_bytes()
+
     def _check_host_memory(self, disk: list[int]) -> None:
         """Say what host memory and disk this run takes, and refuse before writing any state when the memory on
         top of the (already allocated) buffer pools does not fit what the host has left."""
-        resident = self.layout.resident
-        on_host = self.device.type == "cpu"
-        # the resident block's 16-bit copy, its autograd gradients and the fp32 gradient gathered from them
-        resident_bytes = resident.numel * (2 * self.itemsize + 4) if on_host else resident.numel * 4
-        working = max((sum(s.nbytes for s in b.slots) for b in self.layout.blocks), default=0)
+        resident_bytes, working = self._resident_bytes(), self._working_bytes()
         available = host_available_bytes()
         log.info(
             "smart_infinity host memory: buffer pools %s, resident set %s, set-up working set (the largest block in "
-            "its own dtype) %s; %s available; state on disk %s",
+            "its own dtype) %s; %s available; state on disk at most %s",
             human_bytes(self.host_memory_bytes), human_bytes(resident_bytes), human_bytes(working),
             human_bytes(available), " + ".join(human_bytes(n) for n in disk),
         )  # fmt: skip
@@ -283,11 +309,12 @@ class OffloadEngine:
             )
 
     # -- set-up -------------------------------------------------------------------------------------------------
-    def _make_updater(self, rule: OptimizerRule, update: UpdateConfig, disk: FileStore | StripedStore) -> Updater:
+    def _make_updater(self, rule: OptimizerRule, update: UpdateConfig, disk: FileStore | StripedStore,
+                      tier: TieredStore | None) -> Updater:  # fmt: skip
+        """The host update keeps its state in ``tier`` where a host memory budget may place some of it in RAM."""
         if update.backend == "host":
             kernel = load_cpu_adam(update.host_adam) if rule.name in ("adam", "adamw") else None
-            state = disk if not self.placement.state else TieredStore(disk, HostStore(), self.placement.state)
-            return HostUpdater(rule, state, self.layout.max_subgroup_numel, self.cfg.step_lookahead, kernel)
+            return HostUpdater(rule, tier or disk, self.layout.max_subgroup_numel, self.cfg.step_lookahead, kernel)
         if update.wire == "16bit" and self.param_dtype == torch.float32:
             raise ConfigError("update.wire=16bit needs a 16-bit training precision (bf16-mixed or 16-mixed)")
         wire = self.param_dtype if update.wire == "16bit" else torch.float32

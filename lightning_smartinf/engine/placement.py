@@ -26,25 +26,35 @@ class HostPlacement:
     """Host memory the placement takes."""
 
     def describe(self, layout: Layout) -> str:
+        if not self.nbytes:
+            return f"host memory budget {human_bytes(self.budget)}: everything on storage"
         total = max(len(layout.subgroups), 1)
         return (f"host memory budget {human_bytes(self.budget)}: gradients in {'RAM' if self.grads else 'storage'}, "
                 f"master and optimizer state of {len(self.state)} of {total} subgroups in RAM; "
                 f"{human_bytes(self.nbytes)} placed")  # fmt: skip
 
 
-def place(budget: int, layout: Layout, state_kinds: int, grads_in_ram: bool, host_update: bool) -> HostPlacement:
-    """Fill ``budget`` bytes: gradients (unless already in RAM), then whole subgroups' state (``1 + state_kinds``
-    fp32 tensors each; only for the host update, whose state is the host's to keep)."""
+def auto_budget(available: int, ranks: int, reserved: int) -> int:
+    """``auto``: half of this rank's share of the ``available`` host memory, less the ``reserved`` bytes the engine
+    holds whatever the budget (its pools, resident set and set-up's working set). The other half is left to what
+    set-up cannot see: activations, the data pipeline, the page cache, the rest of the process."""
+    return max(0, available // (2 * ranks) - reserved)
+
+
+def place(budget: int, layout: Layout, state_kinds: int, grads: bool, state: bool) -> HostPlacement:
+    """Fill ``budget`` bytes: the fp32 gradients (where ``grads``: they would otherwise go to storage), then whole
+    subgroups' state (``1 + state_kinds`` fp32 tensors each; where ``state``: the host update's state, the host's to
+    keep)."""
     grad_bytes = 4 * layout.local_numel
-    left, grads, used = budget, False, 0
-    if not grads_in_ram and grad_bytes <= left:
-        grads, left, used = True, left - grad_bytes, grad_bytes
-    state: set[str] = set()
-    if host_update:
+    left, in_ram, used = budget, False, 0
+    if grads and grad_bytes <= left:
+        in_ram, left, used = True, left - grad_bytes, grad_bytes
+    keys: set[str] = set()
+    if state:
         for sg in layout.subgroups:
             nbytes = 4 * sg.numel * (1 + state_kinds)
             if nbytes > left:
                 break
-            state.add(sg.key)
+            keys.add(sg.key)
             left, used = left - nbytes, used + nbytes
-    return HostPlacement(budget, grads, frozenset(state), used)
+    return HostPlacement(budget, in_ram, frozenset(keys), used)

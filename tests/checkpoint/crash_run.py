@@ -119,7 +119,8 @@ def main() -> None:
     )
     grads = "cpu" if compression else "nvme"  # top-k selects from the accumulated gradient in host memory
     strategy = SmartInfinityStrategy(
-        offload={"nvme_path": str(args.out / "state"), "subgroup_size": 4096, "io_backend": "threads", "grads": grads},
+        offload={"nvme_path": str(args.out / "state"), "subgroup_size": 4096, "io_backend": "threads", "grads": grads,
+                 "host_memory_budget": "0"},
         update={"backend": args.update, "host_adam": "torch", "devices": 2}, schedule=schedule, compression=compression,
     )  # fmt: skip
     checkpoints = ModelCheckpoint(dirpath=args.out / "ckpts", every_n_train_steps=2, save_top_k=-1, save_last=True,

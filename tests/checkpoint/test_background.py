@@ -22,7 +22,7 @@ SLOW_COPY_S = 0.02
 def train(root: Path, async_save: bool, steps: int = 6, keep: int = -1, update: str = "host") -> Any:
     strategy = SmartInfinityStrategy(
         offload={"nvme_path": str(root / "state"), "subgroup_size": 4096, "io_backend": "threads",
-                 "async_save": async_save},
+                 "async_save": async_save, "host_memory_budget": "0"},
         update={"backend": update, "host_adam": "torch", "devices": 2},
     )  # fmt: skip
     trainer = pl.Trainer(

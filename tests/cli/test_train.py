@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,10 @@ def test_default_run_shortened(tmp_path: Path) -> None:
     assert Path(summary["plot"]).stat().st_size > 10_000
     assert (Path(summary["checkpoint"]) / "manifest.json").is_file()
     assert summary["val_loss"] < 5.6  # below uniform over bytes (ln 256 = 5.55) after 6 steps
+    # the default budget (auto) holds the tiny model's gradients and state in RAM, and the summary says so
+    placed = summary["summary"]["host_memory_placement"]
+    assert re.search(r"gradients in RAM, .* of (\d+) of \1 subgroups in RAM", placed), placed
+    assert "memory:  host memory budget" in done.stdout
 
     periodic = summary_path.parent / "checkpoints"  # step 4 (kept) and the final step 6
     resume = [*cmd[:3], "trainer.max_steps=8", "trainer.limit_val_batches=2", *cmd[7:],

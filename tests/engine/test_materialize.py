@@ -25,7 +25,7 @@ from lightning_smartinf.models.gpt import GPTModule
 
 def engine_for(module: pl.LightningModule, root: Path, **kwargs: Any) -> OffloadEngine:
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
-    offload = OffloadConfig(nvme_path=str(root), subgroup_size=4096, io_backend="threads")
+    offload = OffloadConfig(nvme_path=str(root), subgroup_size=4096, io_backend="threads", host_memory_budget="0")
     return OffloadEngine(module, optimizer, offload, UpdateConfig(host_adam="torch"), torch.device("cpu"),
                          torch.float32, **kwargs)  # fmt: skip
 
@@ -142,8 +142,9 @@ from lightning_smartinf.models.gpt import GPTConfig, GPTModule
 layers, root = int(sys.argv[1]), sys.argv[2]
 with meta_parameters():
     module = GPTModule(GPTConfig(n_layer=layers, n_head=8, n_embd=768, vocab_size=256, block_size=16))
-engine = OffloadEngine(module, torch.optim.AdamW(module.parameters()), OffloadConfig(nvme_path=root,
-                       io_backend="threads"), UpdateConfig(host_adam="torch"), torch.device("cpu"), torch.float32)
+offload = OffloadConfig(nvme_path=root, io_backend="threads", host_memory_budget="0")
+engine = OffloadEngine(module, torch.optim.AdamW(module.parameters()), offload, UpdateConfig(host_adam="torch"),
+                       torch.device("cpu"), torch.float32)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # the process's peak, KiB
 """
 

@@ -14,7 +14,6 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.checkpoint import latest_checkpoint
-from lightning_smartinf.config import UpdateConfig
 from lightning_smartinf.engine import engine as engine_module
 from lightning_smartinf.engine.placement import place
 from lightning_smartinf.engine.snapshot import engine_nbytes
@@ -31,10 +30,11 @@ def test_the_budget_takes_gradients_first_then_whole_subgroups_in_forward_order(
     layout = trainer.strategy.engine.layout
     grads = 4 * layout.local_numel
     first = layout.subgroups[0]
-    placed = place(grads + 16 * first.numel, layout, 3, grads_in_ram=False, host_update=True)
+    placed = place(grads + 16 * first.numel, layout, 3, grads=True, state=True)
     assert placed.grads and placed.state == {first.key} and placed.nbytes == grads + 16 * first.numel
-    assert place(grads - 1, layout, 3, False, True).grads is False
-    assert place(10**12, layout, 3, False, host_update=False).state == frozenset()
+    assert place(grads - 1, layout, 3, True, True).grads is False
+    assert place(10**12, layout, 3, grads=True, state=False).state == frozenset()  # SmartUpdate: the devices' state
+    assert place(10**12, layout, 3, grads=False, state=True).grads is False  # offload.grads=cpu: in RAM already
     with pytest.raises(ConfigError, match="offload.host_memory_budget='lots' is not a size"):
         strategy(tmp_path, "lots")
 
@@ -75,15 +75,30 @@ def test_a_checkpoint_of_state_in_ram_resumes_exactly_under_any_budget(tmp_path:
         assert all(torch.equal(got[k], expected[k]) for k in expected), budget
 
 
-def test_auto_takes_half_the_available_memory_shared_by_the_ranks_on_the_host(
+def test_auto_takes_half_the_available_memory_less_the_engines_own_shared_by_the_ranks_on_the_host(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(engine_module, "host_available_bytes", lambda: 64 * 2**20)
     trainer = fit(make_module(), strategy(tmp_path, "auto"), max_steps=1)
     engine = trainer.strategy.engine
-    assert engine.ranks_per_host == 1 and engine.placement.budget == 32 * 2**20
+    reserved = engine._reserved_bytes()
+    assert reserved >= engine.host_memory_bytes > 0
+    assert engine.ranks_per_host == 1 and engine.placement.budget == 32 * 2**20 - reserved
     engine.ranks_per_host = 2  # as for a second process on this host (trainer.devices=2)
-    assert engine._place(UpdateConfig()).budget == 16 * 2**20
+    assert engine._place(True, True).budget == 16 * 2**20 - reserved
+
+
+def test_the_default_budget_places_nothing_where_the_engine_needs_half_the_memory_for_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tight host (a small cgroup) keeps the default run all on storage rather than crowd out its own pools."""
+    monkeypatch.setattr(engine_module, "host_available_bytes", lambda: 2**20)
+    s = SmartInfinityStrategy(offload={"nvme_path": str(tmp_path), "subgroup_size": 4096, "io_backend": "threads"},
+                              update={"host_adam": "torch"})  # fmt: skip
+    assert s.offload.host_memory_budget == "auto"
+    engine = fit(make_module(), s, max_steps=1).strategy.engine
+    assert engine.placement.budget == 0 and not engine.placement.grads and not engine.placement.state
+    assert engine.counters.total(link="host", kind="master", direction="read") > 0
 
 
 def test_a_checkpoint_sized_before_the_first_step_counts_the_masters_in_ram(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from lightning_smartinf.storage.store import stripe_of
 
 
 def strategy(paths: Any) -> SmartInfinityStrategy:
-    offload = {"nvme_path": paths, "subgroup_size": 4096, "io_backend": "threads"}
+    offload = {"nvme_path": paths, "subgroup_size": 4096, "io_backend": "threads", "host_memory_budget": "0"}
     return SmartInfinityStrategy(offload=offload, update={"host_adam": "torch"})
 
 
