@@ -203,7 +203,8 @@ class SmartInfinityStrategy(ProcessStrategy):
         """Plan the vertical schedule for this batch from short measurements of this machine."""
         assert self.engine is not None and self.lightning_module is not None
         module, context = self.lightning_module, self.precision_plugin.forward_context
-        measured = plan_schedule(self.engine, module.vertical_pre, batch, context)  # type: ignore[arg-type]
+        measured = plan_schedule(self.engine, module.vertical_pre, module.vertical_loss, batch,  # type: ignore[arg-type]
+                                 context)
         chosen = self.broadcast(measured)  # rank 0's plan for every rank: one schedule, one result
         log.info(chosen.describe())
         self.plan = chosen

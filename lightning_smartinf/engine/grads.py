@@ -14,7 +14,7 @@ import torch
 
 from lightning_smartinf.core import GRAD, Block, Layout, Subgroup
 from lightning_smartinf.storage.aligned import Allocator, BufferPool, typed_view
-from lightning_smartinf.storage.store import TensorStore, done_future
+from lightning_smartinf.storage.store import TensorStore, done_future, in_host_memory
 
 
 class GradientAccumulator:
@@ -39,6 +39,16 @@ class GradientAccumulator:
             self.add_subgroup(sg, flat_grad[sg.offset : sg.offset + sg.numel])
 
     def add_subgroup(self, sg: Subgroup, grad: torch.Tensor) -> None:
+        host = in_host_memory(self.store, sg.key)
+        if host is not None:  # accumulate where it is stored
+            acc = typed_view(host.slot(GRAD, sg.key, sg.numel * 4), torch.float32, sg.numel)
+            if sg.index in self._written:
+                acc.add_(grad)
+            else:
+                acc.copy_(grad)
+            self._norms[sg.index] = torch.linalg.vector_norm(acc)
+            self._written.add(sg.index)
+            return
         raw = self.pool.acquire(sg.numel * 4)
         acc = typed_view(raw, torch.float32, sg.numel)
         if sg.index in self._written:
@@ -68,6 +78,14 @@ class GradientAccumulator:
     # -- GradientSource, for the updater --------------------------------------------------------------------------
     def fetch(self, sg: Subgroup) -> Future[torch.Tensor]:
         self.sync()
+        host = in_host_memory(self.store, sg.key)
+        if host is not None:  # the stored gradient itself (the step may scale it in place: it is spent after)
+            stored = typed_view(host.slot(GRAD, sg.key, sg.numel * 4), torch.float32, sg.numel)
+            if sg.index not in self._written:
+                stored.zero_()
+            ready: Future[torch.Tensor] = Future()
+            ready.set_result(stored)
+            return ready
         raw = self.pool.acquire(sg.numel * 4)
         self._held[sg.index] = raw
         grad = typed_view(raw, torch.float32, sg.numel)
@@ -84,7 +102,9 @@ class GradientAccumulator:
         return sg.index in self._written
 
     def release(self, sg: Subgroup) -> None:
-        self.pool.release(self._held.pop(sg.index))
+        raw = self._held.pop(sg.index, None)
+        if raw is not None:  # a gradient in host memory was lent in place, not from the pool
+            self.pool.release(raw)
 
     def close(self) -> None:
         """Wait for gradient writes, then give the buffers back (the engine is closing)."""

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 def workload_of(engine: OffloadEngine, batch: torch.Tensor, checkpoint_bytes_per_sample: int,
-                kept_block_bytes: int = 0) -> Workload:  # fmt: skip
+                kept_block_bytes: int = 0, resident_forward_s: float = 0.0) -> Workload:  # fmt: skip
     """Bytes and tokens of one iteration on ``batch`` (a (b, t+1) token tensor or any (b, ...) tensor). The step's
     disk bytes leave out what ``offload.host_memory_budget`` (or ``offload.grads=cpu``) placed in host memory."""
     params = engine.layout.num_params
@@ -41,8 +41,9 @@ def workload_of(engine: OffloadEngine, batch: torch.Tensor, checkpoint_bytes_per
         step_read = grad_read + (1 + states) * 4 * on_disk
         step_write = (1 + states) * 4 * on_disk + params_write
     tokens = batch.shape[0] * max(batch.shape[1] - 1, 1) if batch.dim() > 1 else batch.shape[0]
+    resident = engine.layout.resident.numel if resident_forward_s else 0
     return Workload(params, streamed, step_read, step_write, tokens, batch.shape[0], checkpoint_bytes_per_sample,
-                    len(engine.layout.streamed), kept_block_bytes)  # fmt: skip
+                    len(engine.layout.streamed), kept_block_bytes, resident, resident_forward_s)  # fmt: skip
 
 
 def update_rate(engine: OffloadEngine, numel: int = 1 << 21) -> float:
@@ -108,20 +109,39 @@ def memory_budget(device: torch.device, share: float = 0.25) -> int:
     return int(psutil.virtual_memory().available * share)
 
 
-def plan_schedule(engine: OffloadEngine, vertical_pre: Callable[[torch.Tensor], torch.Tensor], batch: torch.Tensor,
+def resident_forward_seconds(vertical_pre: Callable[[torch.Tensor], torch.Tensor],
+                             vertical_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                             batch: torch.Tensor) -> float:  # fmt: skip
+    """Seconds of the resident layers' forward and the loss over ``batch`` (the better of two): with a large
+    vocabulary the head is a good share of the compute and runs at its own rate."""
+    seconds = float("inf")
+    with torch.no_grad():
+        for _ in range(2):
+            start = time.perf_counter()
+            loss = vertical_loss(vertical_pre(batch), batch)
+            if loss.device.type == "cuda":
+                torch.cuda.synchronize(loss.device)
+            seconds = min(seconds, time.perf_counter() - start)
+    return seconds
+
+
+def plan_schedule(engine: OffloadEngine, vertical_pre: Callable[[torch.Tensor], torch.Tensor],
+                  vertical_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], batch: torch.Tensor,
                   forward_context: Callable[[], AbstractContextManager[Any]]) -> Plan:  # fmt: skip
-    """``schedule=auto``: the vertical schedule for ``batch``, planned from short measurements of this machine and
-    of the model's own blocks on the batch's hidden states."""
+    """``schedule=auto``: the vertical schedule for ``batch``, planned from short measurements of this machine, of
+    the model's own blocks on the batch's hidden states and of its resident layers."""
     with torch.no_grad(), forward_context():
         hidden = vertical_pre(batch)
         flops = block_flops(engine, hidden)
+        resident_s = resident_forward_seconds(vertical_pre, vertical_loss, batch)
     with forward_context():
         kept = kept_block_bytes(engine, hidden)
     boundaries = len(engine.layout.streamed) + 1
-    work = workload_of(engine, batch, hidden[0].numel() * hidden.element_size() * boundaries, kept)
+    work = workload_of(engine, batch, hidden[0].numel() * hidden.element_size() * boundaries, kept, resident_s)
     machine = measure_machine(engine.device, engine.root, engine.backend, update_rate(engine), engine.param_dtype,
                               memory_budget(engine.device), memory_budget(torch.device("cpu")))  # fmt: skip
     machine.activation_memory = activation_memory(engine)
-    log.info("schedule=auto: the model's blocks run at %.3g TFLOP/s here (a 2048^3 matmul: %.3g)",
-             flops / 1e12, machine.flops / 1e12)  # fmt: skip
+    log.info("schedule=auto: the model's blocks run at %.3g TFLOP/s here (a 2048^3 matmul: %.3g); the forward of "
+             "its resident layers and loss takes %.3g s per batch", flops / 1e12, machine.flops / 1e12,
+             resident_s)  # fmt: skip
     return plan(work, dataclasses.replace(machine, flops=min(flops, machine.flops)))

@@ -59,6 +59,11 @@ class Workload:
     """Streamed blocks (each recomputed in backward unless its graph is kept)."""
     kept_block_bytes: int = 0
     """Bytes one streamed block's kept forward graph holds over the whole batch (0: unknown, keep none)."""
+    resident_params: int = 0
+    """Parameters outside the streamed blocks (embeddings, head, norms), timed apart in ``resident_forward_s``."""
+    resident_forward_s: float = 0.0
+    """Seconds of one forward of the resident layers and the loss over the whole batch, measured: a vocabulary-wide
+    head runs at its own rate, not a block's (0 with ``resident_params=0``: every parameter at the block rate)."""
 
 
 @dataclass
@@ -81,7 +86,10 @@ class Plan:
 def predict(work: Workload, machine: Machine, vertical: bool, micro_batches: int, overlap: float,
             keep: float = 0.0) -> dict[str, float]:  # fmt: skip
     """Predicted seconds per iteration, and its parts (``keep``: the share of blocks whose graphs are kept)."""
-    compute = (8.0 - 2.0 * keep) * work.params * work.tokens_per_batch / machine.flops
+    # blocks: forward, the backward's recompute (unless kept) and backward at twice a forward; resident layers:
+    # forward and backward, never recomputed
+    blocks = (8.0 - 2.0 * keep) * (work.params - work.resident_params) * work.tokens_per_batch / machine.flops
+    compute = blocks + 3.0 * work.resident_forward_s
     reads = 2 * work.streamed_param_bytes * (1 if vertical else micro_batches)
     params_io = reads / machine.disk_read
     step = max(work.step_read_bytes / machine.disk_read + work.step_write_bytes / machine.disk_write,

@@ -192,3 +192,22 @@ class HostStore:
     def tensor(self, kind: str, key: str) -> torch.Tensor:
         """The stored bytes of a name (its payload, padded to the 4 KiB alignment files have)."""
         return self._tensors[(kind, key)]
+
+    def slot(self, kind: str, key: str, payload: int) -> torch.Tensor:
+        """The stored bytes of a name, created (zero-filled) where absent, for a caller that works on them in place:
+        no copy in, none out."""
+        stored = self._tensors.get((kind, key))
+        if stored is None or stored.numel() < payload:
+            stored = self._tensors[(kind, key)] = aligned_bytes(payload, pin=self._pin)
+        return stored
+
+
+def in_host_memory(store: object, key: str) -> HostStore | None:
+    """The ``HostStore`` holding ``key``'s names where ``store`` keeps them in RAM (a ``HostStore``, or the host tier
+    of a ``TieredStore``), else None. The updater and the gradient accumulator work on those tensors in place: a
+    copy into a pooled buffer and back would cost the same cores the compute runs on, for nothing."""
+    if isinstance(store, HostStore):
+        return store
+    if isinstance(store, TieredStore) and key in store.host_keys:
+        return store.host
+    return None

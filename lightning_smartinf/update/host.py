@@ -17,7 +17,7 @@ import torch
 from lightning_smartinf import trace
 from lightning_smartinf.core import MASTER, StepContext, Subgroup
 from lightning_smartinf.storage.aligned import BufferPool, align_up, typed_view
-from lightning_smartinf.storage.store import FileStore, StripedStore, TieredStore
+from lightning_smartinf.storage.store import FileStore, HostStore, StripedStore, TieredStore, in_host_memory
 from lightning_smartinf.update.base import GradientSource
 from lightning_smartinf.update.cpu_adam import DeepSpeedCPUAdamKernel
 from lightning_smartinf.update.optimizers import OptimizerRule, torch_update
@@ -30,11 +30,16 @@ def _zero_padding(raw: torch.Tensor, payload: int) -> None:
 
 
 class _Loaded:
-    """A subgroup's master and state buffers, with the reads that fill them."""
+    """A subgroup's master and state buffers, with the reads that fill them: pooled buffers for state on storage,
+    or (``host``) the stored tensors themselves for state in host memory, updated in place."""
 
-    def __init__(self, sg: Subgroup, kinds: Sequence[str], pool: BufferPool) -> None:
+    def __init__(self, sg: Subgroup, kinds: Sequence[str], pool: BufferPool, host: HostStore | None = None) -> None:
         self.sg = sg
-        self.raw = {kind: pool.acquire(sg.numel * 4) for kind in kinds}
+        self.in_place = host is not None
+        if host is not None:
+            self.raw = {kind: host.slot(kind, sg.key, sg.numel * 4) for kind in kinds}
+        else:
+            self.raw = {kind: pool.acquire(sg.numel * 4) for kind in kinds}
         self.reads: list[Future[None]] = []
 
     def tensor(self, kind: str) -> torch.Tensor:
@@ -75,17 +80,21 @@ class HostUpdater:
             self.pool.release(raw)
 
     def _load(self, sg: Subgroup, first_step: bool) -> _Loaded:
-        loaded = _Loaded(sg, (MASTER, *self.rule.state_kinds), self.pool)
-        loaded.reads.append(self.store.read(MASTER, sg.key, loaded.raw[MASTER], sg.numel * 4))
+        host = in_host_memory(self.store, sg.key)
+        loaded = _Loaded(sg, (MASTER, *self.rule.state_kinds), self.pool, host)
+        if host is None:
+            loaded.reads.append(self.store.read(MASTER, sg.key, loaded.raw[MASTER], sg.numel * 4))
         for spec in self.rule.states:
             if first_step:
                 loaded.tensor(spec.kind).fill_(spec.init)
                 _zero_padding(loaded.raw[spec.kind], sg.numel * 4)
-            else:
+            elif host is None:
                 loaded.reads.append(self.store.read(spec.kind, sg.key, loaded.raw[spec.kind], sg.numel * 4))
         return loaded
 
     def _write_back(self, loaded: _Loaded, writes: list[Future[None]]) -> None:
+        if loaded.in_place:  # updated where it is stored
+            return
         for kind, raw in loaded.raw.items():
             future = self.store.write(kind, loaded.sg.key, raw, loaded.sg.numel * 4)
             future.add_done_callback(self._releaser(raw))

@@ -53,6 +53,29 @@ def test_state_in_host_memory_trains_as_plain_lightning(tmp_path: Path, budget: 
     assert engine.counters.total(link="host", kind="grad") == 0
 
 
+def test_state_and_gradients_in_ram_are_updated_where_they_are_stored(tmp_path: Path) -> None:
+    """In RAM there is nothing to stream: the step updates the stored tensors in place and the gradients accumulate
+    where they are stored, so neither takes a pooled buffer (a copy in and out on the cores the compute needs)."""
+    taken: list[int] = []
+    counting = [False]
+
+    class CountPools(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            engine = trainer.strategy.engine  # type: ignore[attr-defined]
+            for pool in (engine.updater.pool, engine.grads.pool):
+                take = pool.acquire
+                pool.acquire = lambda n, take=take: (taken.append(n) if counting[0] else None) or take(n)
+            counting[0] = True
+
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            counting[0] = False  # the weights' handback after fit reads the masters through the pool, as it must
+
+    trainer = fit(make_module("adamw"), strategy(tmp_path, "10MB"), max_steps=3, callbacks=[CountPools()])
+    engine = trainer.strategy.engine
+    assert engine.placement.grads and len(engine.placement.state) == len(engine.layout.subgroups)
+    assert engine.step_count == 3 and taken == []
+
+
 def train(root: Path, steps: int, budget: str, resume: Path | None = None) -> dict[str, torch.Tensor]:
     s = strategy(root / "state", budget)
     trainer = pl.Trainer(strategy=s, accelerator="cpu", devices=1, max_steps=steps, precision="32-true",

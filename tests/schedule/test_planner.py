@@ -61,6 +61,16 @@ def test_kept_graphs_fill_the_activation_memory_and_shrink_the_compute() -> None
     assert kept["compute"] == recompute["compute"] * 6 / 8
 
 
+def test_resident_layers_count_at_their_measured_time_not_the_block_rate() -> None:
+    """A vocabulary-wide head runs at its own rate: its forward is timed, and counted three times (forward and a
+    backward of twice its cost, never recomputed), in place of its parameters at the block rate."""
+    w, m = workload(), machine()
+    everything = predict(w, m, True, 1, 0.0)["compute"]
+    w.resident_params, w.resident_forward_s = 50_000_000, 0.25
+    split = predict(w, m, True, 1, 0.0)["compute"]
+    assert split == pytest.approx(everything * (350 - 50) / 350 + 0.75)
+
+
 def test_activation_bytes_counts_what_the_graph_saves_but_not_the_parameters() -> None:
     block = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
     x = torch.randn(4, 8)
@@ -95,4 +105,6 @@ def test_schedule_auto_trains_and_logs_its_plan(tmp_path: Path, caplog: pytest.L
     number = r"([0-9.]+(?:e[-+][0-9]+)?)"  # three significant figures: a tiny test block can run at 0.00412
     rates = re.search(rf"blocks run at {number} TFLOP/s here \(a 2048\^3 matmul: {number}\)", caplog.text)
     assert rates is not None and float(rates.group(1)) > 0
+    resident = re.search(rf"resident layers and loss takes {number} s per batch", caplog.text)
+    assert resident is not None and float(resident.group(1)) > 0
     assert trainer.strategy.plan.breakdown["compute"] > 0
