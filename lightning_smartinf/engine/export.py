@@ -11,6 +11,7 @@ import torch
 from lightning_smartinf.checkpoint.export import DTYPES, plan_tensors, with_aliases, write_tensors
 from lightning_smartinf.engine.snapshot import parameter_aliases
 from lightning_smartinf.errors import ConfigError
+from lightning_smartinf.memory import release_free_heap
 
 if TYPE_CHECKING:
     from lightning_smartinf.engine.engine import OffloadEngine
@@ -34,6 +35,8 @@ def export_live(engine: OffloadEngine, out: Path, dtype: str = "fp32", max_shard
             flat = engine.block_masters(block)
             for slot in block.slots:
                 yield slot.name, flat[slot.offset : slot.offset + slot.numel].view(slot.shape).to(target)
+            del flat
+            release_free_heap()  # one block at a time in fact, not only in intent (memory.py)
 
     tensors = with_aliases(params(), aliases, extra)
     if not write:
