@@ -190,14 +190,15 @@ def run(cfg: TrainConfig, out_dir: Path) -> dict[str, object] | None:
     strategy.close()
     if not trainer.is_global_zero:  # rank 0 logs, plots and reports for the run
         return None
-    plot = plot_run(metrics_csv, out_dir / "curves.png", f"{cfg.recipe_name}: smart_infinity")
+    logged = metrics_csv.is_file()  # a run shorter than trainer.log_every_n_steps, without validation, logs nothing
+    plot = plot_run(metrics_csv, out_dir / "curves.png", f"{cfg.recipe_name}: smart_infinity") if logged else None
     result: dict[str, object] = {
         "recipe": cfg.recipe_name,
         "val_loss": val[0].get("val_loss") if val else None,
         "summary": monitor.summary,
         "checkpoint": str(checkpoint) if checkpoint is not None and checkpoint.exists() else None,
-        "metrics": str(metrics_csv),
-        "plot": str(plot),
+        "metrics": str(metrics_csv) if logged else None,
+        "plot": str(plot) if plot is not None else None,
         "state_dir": ", ".join(str(Path(p).resolve()) for p in cfg.offload.paths),
     }
     (out_dir / "summary.json").write_text(json.dumps(result, indent=2, default=str))
@@ -212,12 +213,14 @@ def _main(raw: DictConfig) -> None:
         result = run(cfg, out_dir)
     if result is None:
         return
-    print(f"\nvalidation loss: {result['val_loss']:.4f} nats/byte")
+    val = result["val_loss"]
+    print(f"\nvalidation loss: {f'{val:.4f} nats/byte' if val is not None else 'none (no validation batches)'}")
     why = "no training step ran" if cfg.trainer.save_final else "trainer.save_final=false"
     print(f"checkpoint:      {result['checkpoint'] or f'none written ({why})'}")
     print(f"offloaded state: {result['state_dir']}")
-    print(f"metrics:         {result['metrics']}")
-    print(f"plot:            {result['plot']}")
+    nothing = f"none (nothing logged: fewer steps than trainer.log_every_n_steps={cfg.trainer.log_every_n_steps})"
+    print(f"metrics:         {result['metrics'] or nothing}")
+    print(f"plot:            {result['plot'] or nothing}")
     print(f"summary:         {out_dir / 'summary.json'}")
 
 

@@ -39,6 +39,19 @@ def test_default_run_shortened(tmp_path: Path) -> None:
     assert resumed["summary"]["optimizer_steps"] == 2 and Path(resumed["checkpoint"]).name == "step8.ckpt"
 
 
+def test_a_run_too_short_to_log_finishes_and_says_why_it_has_no_plot(tmp_path: Path) -> None:
+    """Fewer steps than trainer.log_every_n_steps and no validation: no metrics.csv, which used to fail the run after
+    training (its checkpoint written) with a FileNotFoundError."""
+    cmd = [sys.executable, "-m", "lightning_smartinf.cli.train", "trainer.max_steps=2", "trainer.limit_val_batches=0",
+           f"trainer.output_dir={tmp_path / 'runs'}", f"offload.nvme_path={tmp_path / 'state'}"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "validation loss: none (no validation batches)" in done.stdout
+    assert "plot:            none (nothing logged: fewer steps than trainer.log_every_n_steps=5)" in done.stdout
+    summary = json.loads(next((tmp_path / "runs").glob("*/summary.json")).read_text())
+    assert summary["plot"] is None and summary["val_loss"] is None and Path(summary["checkpoint"]).is_dir()
+
+
 def test_unknown_recipe_is_a_hydra_error(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "lightning_smartinf.cli.train", "recipe=gpt_9000b"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
