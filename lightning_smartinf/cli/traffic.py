@@ -64,8 +64,8 @@ def iteration_traffic(model_cfg: GPTConfig, scenario: Scenario, root: Path) -> t
     torch.manual_seed(0)
     model = GPT(model_cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    engine = OffloadEngine(model, optimizer, OffloadConfig(nvme_path=str(root), grads=scenario.grads,
-                           subgroup_size=1 << 20, host_memory_budget="0"), UpdateConfig(**scenario.update),  # type: ignore[arg-type]
+    offload = OffloadConfig(nvme_path=str(root), grads=scenario.grads, subgroup_size=1 << 20, host_memory_budget="0")
+    engine = OffloadEngine(model, optimizer, offload, UpdateConfig(**scenario.update),  # type: ignore[arg-type]
                            torch.device("cpu"), scenario.dtype, compression=scenario.compression)  # fmt: skip
     tokens = torch.randint(0, 256, (2, 65))
     before: dict[str, int] = {}

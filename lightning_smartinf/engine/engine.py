@@ -239,10 +239,15 @@ class OffloadEngine:
         self.updater = None
         if self.rule is not None:
             self.updater = self._make_updater(self.rule, update, disk, state_tier)
-        grad_tier = TieredStore(disk, HostStore(), frozenset()) if placing and offload.grads == "nvme" else None
-        grad_store: TensorStore = grad_tier or (disk if offload.grads == "nvme" else HostStore())
+        grad_tier: TieredStore | None = None
         if isinstance(self.updater, SmartUpdater) and offload.grads == "nvme":  # into the devices' own stores
-            grad_tier, grad_store = None, self.updater.gradient_store()
+            grad_store: TensorStore = self.updater.gradient_store()
+        elif offload.grads == "nvme" and placing:
+            grad_store = grad_tier = TieredStore(disk, HostStore(), frozenset())
+        elif offload.grads == "nvme":
+            grad_store = disk
+        else:
+            grad_store = HostStore()
         grad_allocator = None if isinstance(grad_store, HostStore) else disk.allocator  # any page-locked one serves
         self.grads = GradientAccumulator(self.layout, grad_store, offload.step_lookahead, grad_allocator)
         self._grad_flat = aligned_bytes(self.layout.max_block_numel * 4)

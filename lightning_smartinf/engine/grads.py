@@ -39,29 +39,22 @@ class GradientAccumulator:
             self.add_subgroup(sg, flat_grad[sg.offset : sg.offset + sg.numel])
 
     def add_subgroup(self, sg: Subgroup, grad: torch.Tensor) -> None:
-        host = in_host_memory(self.store, sg.key)
-        if host is not None:  # accumulate where it is stored
-            acc = typed_view(host.slot(GRAD, sg.key, sg.numel * 4), torch.float32, sg.numel)
-            if sg.index in self._written:
-                acc.add_(grad)
-            else:
-                acc.copy_(grad)
-            self._norms[sg.index] = torch.linalg.vector_norm(acc)
-            self._written.add(sg.index)
-            return
-        raw = self.pool.acquire(sg.numel * 4)
+        host = in_host_memory(self.store, sg.key)  # in RAM: accumulate where it is stored, no copy in or out
+        raw = host.slot(GRAD, sg.key, sg.numel * 4) if host is not None else self.pool.acquire(sg.numel * 4)
         acc = typed_view(raw, torch.float32, sg.numel)
         if sg.index in self._written:
-            self.sync()  # an earlier write of this subgroup may still be in flight
-            self.store.read(GRAD, sg.key, raw, sg.numel * 4).result()
+            if host is None:
+                self.sync()  # an earlier write of this subgroup may still be in flight
+                self.store.read(GRAD, sg.key, raw, sg.numel * 4).result()
             acc.add_(grad)
         else:
             acc.copy_(grad)
         self._norms[sg.index] = torch.linalg.vector_norm(acc)
-        write = self.store.write(GRAD, sg.key, raw, sg.numel * 4)
-        write.add_done_callback(lambda _f: self.pool.release(raw))
-        self._pending.append(write)
         self._written.add(sg.index)
+        if host is None:
+            write = self.store.write(GRAD, sg.key, raw, sg.numel * 4)
+            write.add_done_callback(lambda _f: self.pool.release(raw))
+            self._pending.append(write)
 
     def sync(self) -> None:
         """Wait until every gradient write has landed (and raise its error)."""
@@ -80,19 +73,14 @@ class GradientAccumulator:
         self.sync()
         host = in_host_memory(self.store, sg.key)
         if host is not None:  # the stored gradient itself (the step may scale it in place: it is spent after)
-            stored = typed_view(host.slot(GRAD, sg.key, sg.numel * 4), torch.float32, sg.numel)
-            if sg.index not in self._written:
-                stored.zero_()
-            ready: Future[torch.Tensor] = Future()
-            ready.set_result(stored)
-            return ready
-        raw = self.pool.acquire(sg.numel * 4)
-        self._held[sg.index] = raw
+            raw = host.slot(GRAD, sg.key, sg.numel * 4)
+        else:
+            raw = self._held[sg.index] = self.pool.acquire(sg.numel * 4)
         grad = typed_view(raw, torch.float32, sg.numel)
+        read: Future[None] = done_future()
         if sg.index not in self._written:  # no gradient reached this subgroup: it steps with zeros
             grad.zero_()
-            read: Future[None] = done_future()
-        else:
+        elif host is None:
             read = self.store.read(GRAD, sg.key, raw, sg.numel * 4)
         out: Future[torch.Tensor] = Future()
         read.add_done_callback(lambda f: out.set_exception(f.exception()) if f.exception() else out.set_result(grad))

@@ -180,10 +180,7 @@ class HostStore:
         return done_future()
 
     def write(self, kind: str, key: str, buffer: torch.Tensor, payload: int) -> Future[None]:
-        stored = self._tensors.get((kind, key))
-        if stored is None or stored.numel() < payload:
-            stored = self._tensors[(kind, key)] = aligned_bytes(payload, pin=self._pin)
-        stored[:payload].copy_(buffer[:payload])
+        self.slot(kind, key, payload)[:payload].copy_(buffer[:payload])
         return done_future()
 
     def exists(self, kind: str, key: str) -> bool:
