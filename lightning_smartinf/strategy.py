@@ -8,7 +8,6 @@ engine) and saves checkpoints as directories holding the offloaded state.
 
 from __future__ import annotations
 
-import io
 import logging
 import time
 from collections.abc import Generator
@@ -32,6 +31,8 @@ from lightning_smartinf.checkpoint import protocol
 from lightning_smartinf.checkpoint.background import BackgroundSaves
 from lightning_smartinf.checkpoint.manifest import TRAINER_STATE, Manifest
 from lightning_smartinf.checkpoint.shards import parse_size
+from lightning_smartinf.checkpoint.trainer_state import dumps
+from lightning_smartinf.checkpoint.trainer_state import load as load_trainer_state
 from lightning_smartinf.config import (
     CompressionConfig,
     OffloadConfig,
@@ -274,9 +275,7 @@ class SmartInfinityStrategy(ProcessStrategy):
         started = time.perf_counter()
         self.saves.check()
         snapshot = take_snapshot(engine)
-        buffer = io.BytesIO()
-        torch.save(checkpoint, buffer)
-        trainer_state, step, path = buffer.getvalue(), checkpoint.get("global_step", 0), Path(filepath)
+        trainer_state, step, path = dumps(checkpoint), checkpoint.get("global_step", 0), Path(filepath)
         background = self._fitting and self.offload.async_save
         fenced_before = engine.fence.waited_s
 
@@ -329,7 +328,7 @@ class SmartInfinityStrategy(ProcessStrategy):
         ``load_model_state_dict``."""
         self.saves.wait()  # restoring rewrites the state files a save in the background may still be copying
         self._resume_from = protocol.open_checkpoint(Path(checkpoint_path), self.global_rank, self.world_size)
-        return torch.load(self._resume_from.path / TRAINER_STATE, weights_only=False)  # type: ignore[no-any-return]
+        return load_trainer_state(self._resume_from.path / TRAINER_STATE)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

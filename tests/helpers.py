@@ -28,6 +28,7 @@ def fit(
     strategy: Any = "auto",
     max_steps: int = 10,
     loader: DataLoader[Any] | None = None,
+    ckpt_path: str | None = None,
     **trainer_kwargs: Any,
 ) -> pl.Trainer:
     trainer_kwargs.setdefault("limit_val_batches", 0)
@@ -35,7 +36,7 @@ def fit(
         strategy=strategy, accelerator="cpu", devices=1, max_steps=max_steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs,
     )  # fmt: skip
-    trainer.fit(module, loader if loader is not None else token_loader())
+    trainer.fit(module, loader if loader is not None else token_loader(), ckpt_path=ckpt_path)
     return trainer
 
 

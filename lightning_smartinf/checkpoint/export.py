@@ -19,6 +19,7 @@ import torch
 
 from lightning_smartinf.checkpoint.manifest import ENGINE_STATE, TRAINER_STATE, CheckpointError, verify_checkpoint
 from lightning_smartinf.checkpoint.shards import Planned, write_file, write_sharded
+from lightning_smartinf.checkpoint.trainer_state import load as load_trainer_state
 from lightning_smartinf.errors import ConfigError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -100,7 +101,7 @@ def consolidated_state_dict(path: Path, dtype: torch.dtype = torch.float32) -> t
     of a data-parallel run's ranks are put back together (in memory: for tests and small models)."""
     manifest = verify_checkpoint(path)
     layout = _parts(manifest)[0][0]
-    trainer_state = torch.load(manifest.path / TRAINER_STATE, weights_only=False, map_location="cpu")
+    trainer_state = load_trainer_state(manifest.path / TRAINER_STATE)
     extra = {k: v.detach().clone() for k, v in trainer_state.get("state_dict", {}).items()}
     state = {name: t.clone() for name, t in _checkpoint_tensors(manifest, layout, extra, dtype)}
     return state, trainer_state
@@ -124,7 +125,7 @@ def export_safetensors(checkpoint: Path, out: Path, dtype: str = "bf16", max_sha
         raise ConfigError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     manifest = verify_checkpoint(checkpoint)
     layout = _parts(manifest)[0][0]
-    trainer_state = torch.load(manifest.path / TRAINER_STATE, weights_only=False, map_location="cpu")
+    trainer_state = load_trainer_state(manifest.path / TRAINER_STATE)
     extra = dict(trainer_state.get("state_dict", {}))
     target_dtype = DTYPES[dtype]
     aliases = layout.get("aliases", {})

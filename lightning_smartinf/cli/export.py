@@ -18,6 +18,7 @@ from pathlib import Path
 from lightning_smartinf.checkpoint.export import DTYPES, export_safetensors
 from lightning_smartinf.checkpoint.shards import parse_size
 from lightning_smartinf.cli.report import reporting
+from lightning_smartinf.models import gpt  # noqa: F401 - registers GPTConfig, which earlier checkpoints pickled
 from lightning_smartinf.storage.space import human_bytes
 
 

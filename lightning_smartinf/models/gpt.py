@@ -53,6 +53,11 @@ class GPTConfig:
         return self.n_layer * per_layer + (self.vocab_size + self.block_size) * d + (2 if self.bias else 1) * d
 
 
+# Checkpoints of versions before the trainer state became plain data pickled this config; a dataclass rebuilt from
+# its fields runs no code, so ``torch.load(weights_only=True)`` may build it (checkpoint/trainer_state.py).
+torch.serialization.add_safe_globals([GPTConfig])
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -137,7 +142,7 @@ class GPTModule(pl.LightningModule):
 
     def __init__(
         self,
-        model: GPTConfig | None = None,
+        model: GPTConfig | dict | None = None,
         lr: float = 3e-4,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -146,7 +151,7 @@ class GPTModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()  # in every checkpoint, so an export can rebuild the module (from_safetensors)
-        self.cfg = model or GPTConfig()
+        self.cfg = GPTConfig(**model) if isinstance(model, dict) else model or GPTConfig()  # a checkpoint's: a dict
         self.gpt = GPT(self.cfg)
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
         self.warmup_steps = warmup_steps
