@@ -8,6 +8,7 @@ Registered in Hydra's ConfigStore so a bad key or a wrong type fails at compose 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -33,6 +34,11 @@ class DataConfig:
     """Windows in the validation set."""
     num_workers: int = 0
     """DataLoader workers."""
+    tokenizer: str | None = None
+    """A local directory holding a Hugging Face tokenizer (tokenizer.json ...); null: bytes (ids 0-255). With
+    model=hf the model's own directory is the default."""
+    cache_dir: str | None = None
+    """Where tokenized corpora are cached (memory-mapped token files); null: .smartinf_cache beside the data."""
 
 
 @dataclass
@@ -76,12 +82,26 @@ class TrainerConfig:
 
 @dataclass
 class ModelConfig(GPTConfig):
-    """The GPT's shape, plus where its starting weights come from (the model is always built on meta and
-    initialized block by block into storage, so host memory does not grow with its size)."""
+    """Which model (the shipped GPT, or a Hugging Face architecture), its shape, and where its starting weights
+    come from (the model is always built on meta and initialized block by block into storage, so host memory does
+    not grow with its size)."""
 
+    kind: str = "gpt"
+    """gpt (the shipped GPT, shaped by the fields above) or hf (a transformers causal LM: model=hf)."""
+    path: str | None = None
+    """model=hf: a local save_pretrained directory (config.json, safetensors weights, tokenizer files) to start
+    from; the fine-tuned model is written back in the same layout. Nothing is downloaded."""
+    config: dict[str, Any] | None = None
+    """model=hf without a path (training from scratch, e.g. recipe=llama3_8b): the architecture's Hugging Face
+    config, model_type first; with a path, its config.json is used and this is ignored."""
     init_from: str | None = None
     """Pretrained weights: a .safetensors file or a save_pretrained-style directory (e.g. a smartinf-export of an
-    earlier run); null: GPT's own init."""
+    earlier run); null: GPT's own init. model=hf takes them from model.path."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.kind not in ("gpt", "hf"):
+            raise ValueError(f"model.kind={self.kind!r} is not one of gpt, hf")
 
     def shape(self) -> GPTConfig:
         return GPTConfig(**{f.name: getattr(self, f.name) for f in fields(GPTConfig)})

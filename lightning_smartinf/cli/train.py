@@ -28,12 +28,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_smartinf.checkpoint.manifest import MANIFEST, choose_checkpoint
 from lightning_smartinf.cli.config import TrainConfig, register_configs
+from lightning_smartinf.cli.models import choose_model
 from lightning_smartinf.cli.plots import plot_run
 from lightning_smartinf.cli.report import reporting
 from lightning_smartinf.data.corpus import TextDataModule
 from lightning_smartinf.engine.snapshot import engine_nbytes
 from lightning_smartinf.errors import ConfigError, MissingPathError, StorageError
-from lightning_smartinf.models.gpt import GPTModule
 from lightning_smartinf.monitor import SmartInfinityMonitor
 from lightning_smartinf.resources import asset_dir
 from lightning_smartinf.storage.space import human_bytes
@@ -45,10 +45,11 @@ PREEMPTED = 143
 """Exit status after a SIGTERM (128 + 15, what a process killed by it reports): the run stopped early, on purpose."""
 
 
-def build_trainer(cfg: TrainConfig, out_dir: Path) -> tuple[pl.Trainer, SmartInfinityStrategy, SmartInfinityMonitor]:
+def build_trainer(cfg: TrainConfig, out_dir: Path,
+                  init_from: str | None) -> tuple[pl.Trainer, SmartInfinityStrategy, SmartInfinityMonitor]:  # fmt: skip
     strategy = SmartInfinityStrategy(
         offload=cfg.offload, update=cfg.update, compression=cfg.compression, schedule=cfg.schedule,
-        init_from=cfg.model.init_from,
+        init_from=init_from,
     )  # fmt: skip
     monitor = SmartInfinityMonitor()
     t = cfg.trainer
@@ -164,21 +165,23 @@ def check_batch(cfg: TrainConfig) -> None:
                           "make the batch size a multiple of it")  # fmt: skip
 
 
-def run(cfg: TrainConfig, out_dir: Path) -> dict[str, object] | None:
-    """Train, validate, checkpoint and plot; return the paths and the summary (on rank 0; None on the others)."""
+def run(cfg: TrainConfig, out_dir: Path, explicit: frozenset[str] = frozenset()) -> dict[str, object] | None:
+    """Train, validate, checkpoint and plot (and write a model=hf run's model back as a save_pretrained
+    directory); return the paths and the summary (on rank 0; None on the others). ``explicit``: the keys set on
+    the command line. Every input is checked, and the data tokenized, before set-up writes any state."""
     check_batch(cfg)
     resume = resume_path(cfg.trainer.resume)
     pl.seed_everything(cfg.trainer.seed, workers=True)
-    o = cfg.optim
-    trainer, strategy, monitor = build_trainer(cfg, out_dir)
+    spec = choose_model(cfg, explicit)
+    d = cfg.data
+    data = TextDataModule(d.path, d.seq_len, d.batch_size, d.val_percent, d.train_samples, d.val_samples,
+                          d.num_workers, cfg.trainer.seed, spec.tokenizer, d.cache_dir)  # fmt: skip
+    data.setup()
+    trainer, strategy, monitor = build_trainer(cfg, out_dir, spec.init_from)
     with warnings.catch_warnings():  # Lightning warns of any strategy with a model_sharded_context; ours does both
         warnings.filterwarnings("ignore", "`trainer.init_module` cannot fully support")
         with trainer.init_module(empty_init=True):  # on meta: the engine initializes it block by block into storage
-            module = GPTModule(cfg.model.shape(), lr=o.lr, weight_decay=o.weight_decay, betas=(o.betas[0], o.betas[1]),
-                               warmup_steps=o.warmup_steps, optimizer=o.name)  # fmt: skip
-    d = cfg.data
-    data = TextDataModule(d.path, d.seq_len, d.batch_size, d.val_percent, d.train_samples, d.val_samples,
-                          d.num_workers, cfg.trainer.seed)  # fmt: skip
+            module = spec.build()
     try:
         trainer.fit(module, datamodule=data, ckpt_path=resume)
     except SIGTERMException:
@@ -186,6 +189,7 @@ def run(cfg: TrainConfig, out_dir: Path) -> dict[str, object] | None:
         raise SystemExit(PREEMPTED) from None
     checkpoint = out_dir / "checkpoints" / f"step{trainer.global_step}.ckpt" if cfg.trainer.save_final else None
     val = trainer.validate(module, datamodule=data, verbose=False)
+    model_dir = spec.write_back(strategy, out_dir / "model") if spec.hf_config is not None else None
     metrics_csv = out_dir / "logs" / "metrics.csv"
     strategy.close()
     if not trainer.is_global_zero:  # rank 0 logs, plots and reports for the run
@@ -197,6 +201,7 @@ def run(cfg: TrainConfig, out_dir: Path) -> dict[str, object] | None:
         "val_loss": val[0].get("val_loss") if val else None,
         "summary": monitor.summary,
         "checkpoint": str(checkpoint) if checkpoint is not None and checkpoint.exists() else None,
+        "model": str(model_dir) if model_dir is not None else None,
         "metrics": str(metrics_csv) if logged else None,
         "plot": str(plot) if plot is not None else None,
         "state_dir": ", ".join(str(Path(p).resolve()) for p in cfg.offload.paths),
@@ -209,14 +214,19 @@ def run(cfg: TrainConfig, out_dir: Path) -> dict[str, object] | None:
 def _main(raw: DictConfig) -> None:
     with reporting("smartinf-train"):
         cfg: TrainConfig = OmegaConf.to_object(raw)  # type: ignore[assignment]
-        out_dir = Path(HydraConfig.get().runtime.output_dir)
-        result = run(cfg, out_dir)
+        hydra_cfg = HydraConfig.get()
+        out_dir = Path(hydra_cfg.runtime.output_dir)
+        explicit = frozenset(o.split("=", 1)[0].lstrip("+~") for o in hydra_cfg.overrides.task)
+        result = run(cfg, out_dir, explicit)
     if result is None:
         return
     val = result["val_loss"]
-    print(f"\nvalidation loss: {f'{val:.4f} nats/byte' if val is not None else 'none (no validation batches)'}")
+    unit = "nats/token" if cfg.data.tokenizer or cfg.model.kind == "hf" else "nats/byte"
+    print(f"\nvalidation loss: {f'{val:.4f} {unit}' if val is not None else 'none (no validation batches)'}")
     why = "no training step ran" if cfg.trainer.save_final else "trainer.save_final=false"
     print(f"checkpoint:      {result['checkpoint'] or f'none written ({why})'}")
+    if result["model"]:
+        print(f"model: {result['model']}")  # on a line of its own: scripts read it
     print(f"offloaded state: {result['state_dir']}")
     nothing = f"none (nothing logged: fewer steps than trainer.log_every_n_steps={cfg.trainer.log_every_n_steps})"
     print(f"metrics:         {result['metrics'] or nothing}")

@@ -10,6 +10,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -20,6 +21,8 @@ from torch import nn
 
 from lightning_smartinf.errors import ConfigError
 from lightning_smartinf.meta import building_on_meta
+from lightning_smartinf.models.loss import inputs, next_token_loss, tokens_in_batch
+from lightning_smartinf.models.optim import configure
 
 
 @dataclass
@@ -153,7 +156,7 @@ class GPTModule(pl.LightningModule):
         self.save_hyperparameters()  # in every checkpoint, so an export can rebuild the module (from_safetensors)
         self.cfg = GPTConfig(**model) if isinstance(model, dict) else model or GPTConfig()  # a checkpoint's: a dict
         self.gpt = GPT(self.cfg)
-        self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
+        self.lr, self.weight_decay, self.betas = lr, weight_decay, (betas[0], betas[1])
         self.warmup_steps = warmup_steps
         self.optimizer_name = optimizer
 
@@ -175,25 +178,21 @@ class GPTModule(pl.LightningModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.gpt(idx)
 
-    def tokens_in_batch(self, batch: torch.Tensor) -> int:
+    def tokens_in_batch(self, batch: Any) -> int:
         """Tokens predicted in a (b, t+1) batch: b * t (read by the progress monitor)."""
-        return batch.shape[0] * (batch.shape[1] - 1)
+        return tokens_in_batch(batch)
 
-    @staticmethod
-    def _next_token_loss(logits: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-
-    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
-        return self._next_token_loss(self(batch[:, :-1]), batch)
+    def _loss(self, batch: Any) -> torch.Tensor:
+        return next_token_loss(self(inputs(batch)), batch)
 
     # -- the vertical-schedule protocol (docs/vertical.md) -----------------------------------------------------------
-    def vertical_pre(self, batch: torch.Tensor) -> torch.Tensor:
+    def vertical_pre(self, batch: Any) -> torch.Tensor:
         """Resident layers before the blocks: (b, t+1) tokens -> (b, t, n_embd)."""
-        return self.gpt.embed(batch[:, :-1])
+        return self.gpt.embed(inputs(batch))
 
-    def vertical_loss(self, hidden: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    def vertical_loss(self, hidden: torch.Tensor, batch: Any) -> torch.Tensor:
         """Resident layers after the blocks, and the loss."""
-        return self._next_token_loss(self.gpt.head(hidden), batch)
+        return next_token_loss(self.gpt.head(hidden), batch)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
@@ -210,24 +209,9 @@ class GPTModule(pl.LightningModule):
         self.log("test_loss", loss)
         return loss
 
-    def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        return self(batch[:, :-1]).argmax(-1)
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(inputs(batch)).argmax(-1)
 
-    def configure_optimizers(self):  # type: ignore[no-untyped-def]
-        params = list(self.parameters())
-        if self.optimizer_name == "adamw":
-            opt: torch.optim.Optimizer = torch.optim.AdamW(
-                params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay
-            )
-        elif self.optimizer_name == "adam":
-            opt = torch.optim.Adam(params, lr=self.lr, betas=self.betas)
-        elif self.optimizer_name == "sgd":
-            opt = torch.optim.SGD(params, lr=self.lr, momentum=0.9, weight_decay=self.weight_decay)
-        elif self.optimizer_name == "adagrad":
-            opt = torch.optim.Adagrad(params, lr=self.lr, weight_decay=self.weight_decay)
-        else:
-            raise ConfigError(f"optim.name={self.optimizer_name!r} is not one of adamw, adam, sgd, adagrad")
-        if not self.warmup_steps:
-            return opt
-        warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / self.warmup_steps))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
+    def configure_optimizers(self) -> Any:
+        return configure(self.parameters(), self.optimizer_name, self.lr, self.betas, self.weight_decay,
+                         self.warmup_steps)  # fmt: skip
