@@ -42,6 +42,20 @@ def job_of(model: dict[str, Any], seq: int, micro_batch: int, micro_batches: int
     return Job(layers * block + resident, layers * block, tokens, micro_batches, 2 * d * (layers + 1))
 
 
+def hf_job(model: dict[str, Any], seq: int, micro_batch: int, micro_batches: int) -> tuple[Job, int]:
+    """A Hugging Face architecture recipe's job, counted on the model built on meta (no weights), and its layers."""
+    from lightning_smartinf.ecosystem.hf import build_model, load_config
+
+    config = load_config(None, model["config"])
+    with torch.device("meta"):
+        built = build_model(config)
+    total = sum(p.numel() for p in built.parameters())
+    blocks = [m for m in built.modules() if isinstance(m, torch.nn.ModuleList)]
+    streamed = sum(p.numel() for p in blocks[0].parameters()) if blocks else total
+    layers, d = config.num_hidden_layers, config.hidden_size
+    return Job(total, streamed, seq * micro_batch * micro_batches, micro_batches, 2 * d * (layers + 1)), layers
+
+
 def hardware_preset(name: str) -> Hardware:
     path = Path(name) if Path(name).is_file() else asset_dir("recipes") / "hardware" / f"{name}.yaml"
     if not path.is_file():
@@ -168,9 +182,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args(argv)
     model = recipe_model(args.recipe, args.seq)
-    if args.layers:
-        model["n_layer"] = args.layers
-    job = job_of(model, args.seq, args.micro_batch, args.micro_batches)
+    if model.get("kind") == "hf":
+        if args.layers:
+            model["config"] = {**model["config"], "num_hidden_layers": args.layers}
+        job, layers = hf_job(model, args.seq, args.micro_batch, args.micro_batches)
+    else:
+        layers = model["n_layer"] = args.layers or model["n_layer"]
+        job = job_of(model, args.seq, args.micro_batch, args.micro_batches)
     if not (args.measure or args.hardware):
         parser.error("give --hardware NAME (recipes/hardware/) or --measure")
     hw = measure(Path(args.nvme_path), args.devices) if args.measure else hardware_preset(args.hardware)
@@ -190,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = settings_for(best.system, hw, args.seq, args.micro_batch, args.micro_batches)
     print(f"  settings: smartinf-train recipe={args.recipe} {settings}")
     print("memory and disk needed per tier:")
-    for tier, nbytes in memory_needs(job, hw, best.system, model["n_layer"]).items():
+    for tier, nbytes in memory_needs(job, hw, best.system, layers).items():
         print(f"  {tier}: {nbytes / GB:.1f} GB")
     if args.compare:
         print("\n" + compare(args.compare, job, hw))

@@ -210,10 +210,14 @@ class TextDataModule(pl.LightningDataModule):
 
     def _samples(self, split: Split, count: int, seed: int, name: str) -> Dataset[Any]:
         if self.kind == "instruction":
-            if len(split.starts or ()) <= 1 and name == "train":
+            examples = len(split.starts) - 1 if split.starts is not None else 0
+            if not examples and name == "train":
                 raise ConfigError(f"data.path={self.path}: no training examples (all rows fell in validation?)")
             pad = self.tokenizer.eos_id if self.tokenizer.eos_id is not None else 0
-            return Examples(split, self.seq_len, count if len(split.starts or ()) > 1 else 0, seed, pad)
+            return Examples(split, self.seq_len, count if examples else 0, seed, pad)
+        if name == "train" and len(split.tokens) <= self.seq_len + 1:
+            raise ConfigError(f"data.path={self.path}: the training split holds {len(split.tokens)} tokens, fewer than "
+                              f"data.seq_len + 2 = {self.seq_len + 2} (an empty or tiny corpus)")  # fmt: skip
         if name == "val" and len(split.tokens) <= self.seq_len + 1:
             log.warning("data: the validation split has %d tokens, too few for one window of data.seq_len=%d: "
                         "no validation", len(split.tokens), self.seq_len)  # fmt: skip

@@ -35,13 +35,34 @@ def nominal_params(name: str) -> float:
     return value * (1e6 if size.group(3) == "m" else 1e9)
 
 
+PUBLISHED = {
+    "llama3_1b": 1.236e9, "llama3_8b": 8.030e9, "llama3_70b": 70.554e9, "qwen2_5_0_5b": 0.494e9,
+    "qwen2_5_7b": 7.616e9, "qwen2_5_72b": 72.706e9, "mistral_7b": 7.242e9, "mixtral_8x7b": 46.703e9,
+}
+"""Today's architectures: parameter counts of the published models (their model cards and safetensors indexes)."""
+
+
 def test_recipe_list_is_complete() -> None:
     expected = {"gpt_tiny", "gpt_125m", "gpt_350m", "gpt_760m", "gpt_1_3b", "gpt_2_7b", "gpt_6_7b", "gpt_13b",
-                "gpt_30b", "gpt_65b", "gpt_175b"}  # fmt: skip
+                "gpt_30b", "gpt_65b", "gpt_175b", *PUBLISHED}  # fmt: skip
     assert set(RECIPES) == expected
 
 
-@pytest.mark.parametrize("recipe", [r for r in RECIPES if r != "gpt_tiny"])
+@pytest.mark.parametrize("recipe", sorted(PUBLISHED))
+def test_architecture_recipe_builds_on_meta_with_the_published_size(recipe: str) -> None:
+    """Composed, its Hugging Face config built, the model made on meta (no weights): within 1% of the model card."""
+    from lightning_smartinf.ecosystem.hf import build_model, load_config
+
+    cfg = compose_with(f"recipe={recipe}")
+    assert cfg.model.kind == "hf" and cfg.recipe_name == recipe
+    config = load_config(None, cfg.model.config)
+    with torch.device("meta"):
+        model = build_model(config)
+    count = sum(p.numel() for p in model.parameters())
+    assert abs(count / PUBLISHED[recipe] - 1) < 0.01, f"{recipe}: {count:,}"
+
+
+@pytest.mark.parametrize("recipe", [r for r in RECIPES if r.startswith("gpt_") and r != "gpt_tiny"])
 def test_recipe_parameter_count_within_3_percent(recipe: str) -> None:
     cfg = compose_with(f"recipe={recipe}")
     with torch.device("meta"):
