@@ -203,7 +203,8 @@ def test_bad_data_fails_before_any_state_naming_the_file_and_line(made, tmp_path
     _fails(tmp_path, f"{bad}:2: a row needs", "model=hf", f"model.path={made['llama']}", f"data.path={bad}")
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    _fails(tmp_path, "training split holds 0 tokens, fewer than data.seq_len", "model=hf", f"model.path={made['llama']}", f"data.path={empty}")
+    _fails(tmp_path, "training split holds 0 tokens, fewer than data.seq_len", "model=hf",
+           f"model.path={made['llama']}", f"data.path={empty}")
 
 
 def test_without_transformers_model_hf_names_the_extra(made, tmp_path: Path, monkeypatch) -> None:
