@@ -7,7 +7,6 @@ would run as code). ``transformers`` is an optional extra; without it, the one-l
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -75,10 +74,10 @@ def load_config(path: Path | None, overrides: dict[str, Any] | None) -> Any:
         raise ConfigError(f"model.config.model_type={kind!r}: {err}") from None
 
 
-def build_model(config: Any) -> torch.nn.Module:
+def build_model(config: Any) -> Any:
     """The causal LM ``config`` describes, with fp32 parameters (the engine's masters; 16-bit copies stream)."""
     transformers = require_transformers("model=hf")
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-any-return]
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 def saved_dtype(config: Any) -> str:
@@ -115,7 +114,3 @@ def describe(config: Any) -> str:
     keys = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size")
     shape = ", ".join(f"{k}={values[k]}" for k in keys if k in values)
     return f"{values.get('model_type', '?')} ({shape})"
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}

@@ -29,8 +29,9 @@ class HFCausalLM(pl.LightningModule):
         self.save_hyperparameters({"config": config.to_dict(), "lr": lr, "weight_decay": weight_decay,
                                    "betas": tuple(betas), "warmup_steps": warmup_steps, "optimizer": optimizer,
                                    "source": str(source) if source else None})  # fmt: skip
-        self.model: Any = build_model(config)
-        self.model.config.use_cache = False  # training: no key/value cache per forward
+        model = build_model(config)
+        model.config.use_cache = False  # training: no key/value cache per forward
+        self.model = model
         self.lr, self.weight_decay, self.betas = lr, weight_decay, (betas[0], betas[1])
         self.warmup_steps, self.optimizer_name = warmup_steps, optimizer
 
