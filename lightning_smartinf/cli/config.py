@@ -91,9 +91,10 @@ class ModelConfig(GPTConfig):
     path: str | None = None
     """model=hf: a local save_pretrained directory (config.json, safetensors weights, tokenizer files) to start
     from; the fine-tuned model is written back in the same layout. Nothing is downloaded."""
-    config: dict[str, Any] | None = None
+    config: dict[str, Any] = field(default_factory=dict)
     """model=hf without a path (training from scratch, e.g. recipe=llama3_8b): the architecture's Hugging Face
-    config, model_type first; with a path, its config.json is used and this is ignored."""
+    config, model_type first (any key can be overridden: model.config.num_hidden_layers=4); with a path, its
+    config.json is used and this is ignored."""
     init_from: str | None = None
     """Pretrained weights: a .safetensors file or a save_pretrained-style directory (e.g. a smartinf-export of an
     earlier run); null: GPT's own init. model=hf takes them from model.path."""

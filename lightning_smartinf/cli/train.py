@@ -32,6 +32,7 @@ from lightning_smartinf.cli.models import choose_model
 from lightning_smartinf.cli.plots import plot_run
 from lightning_smartinf.cli.report import reporting
 from lightning_smartinf.data.corpus import TextDataModule
+from lightning_smartinf.data.tokenizer import ByteTokenizer
 from lightning_smartinf.engine.snapshot import engine_nbytes
 from lightning_smartinf.errors import ConfigError, MissingPathError, StorageError
 from lightning_smartinf.monitor import SmartInfinityMonitor
@@ -199,6 +200,7 @@ def run(cfg: TrainConfig, out_dir: Path, explicit: frozenset[str] = frozenset())
     result: dict[str, object] = {
         "recipe": cfg.recipe_name,
         "val_loss": val[0].get("val_loss") if val else None,
+        "token": "byte" if isinstance(spec.tokenizer, ByteTokenizer) else "token",
         "summary": monitor.summary,
         "checkpoint": str(checkpoint) if checkpoint is not None and checkpoint.exists() else None,
         "model": str(model_dir) if model_dir is not None else None,
@@ -221,7 +223,7 @@ def _main(raw: DictConfig) -> None:
     if result is None:
         return
     val = result["val_loss"]
-    unit = "nats/token" if cfg.data.tokenizer or cfg.model.kind == "hf" else "nats/byte"
+    unit = f"nats/{result['token']}"
     print(f"\nvalidation loss: {f'{val:.4f} {unit}' if val is not None else 'none (no validation batches)'}")
     why = "no training step ran" if cfg.trainer.save_final else "trainer.save_final=false"
     print(f"checkpoint:      {result['checkpoint'] or f'none written ({why})'}")

@@ -102,6 +102,18 @@ def test_cli_fine_tune_equals_plain_lightning_and_the_directory_round_trips(made
         assert torch.allclose(ours(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_an_architecture_trains_from_scratch_with_its_own_init(tmp_path: Path) -> None:
+    """No model.path: built on meta from model.config, initialized block by block by the model's _init_weights."""
+    config = ("+model.config={model_type: llama, vocab_size: 256, hidden_size: 64, intermediate_size: 128, "
+              "num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, max_position_embeddings: 64}")
+    result = run(compose_cfg(tmp_path, "model=hf", config, "trainer.max_steps=2", "optim.lr=1e-6"), tmp_path / "run")
+    assert result is not None and result["token"] == "byte"
+    model = transformers.AutoModelForCausalLM.from_pretrained(result["model"])
+    layer = model.model.layers[1]
+    assert abs(float(layer.self_attn.q_proj.weight.std()) - model.config.initializer_range) < 2e-3
+    assert torch.allclose(layer.input_layernorm.weight, torch.ones(64), atol=1e-4)
+
+
 def test_instruction_rows_train_on_the_response_only(made, tmp_path: Path) -> None:
     tokenizer = HFTokenizer(str(made["llama"]))
     data = TextDataModule(str(made["instruct"]), seq_len=48, batch_size=2, val_percent=10, train_samples=8,
