@@ -1,5 +1,11 @@
 """Loading DeepSpeed's JIT-compiled ops (async I/O, CPU Adam) with a word to the user about what the wait is.
 
+The ops are built per Python environment: torch's default cache (``~/.cache/torch_extensions/py311_cpu``) is one
+directory for every environment on the machine, so two virtualenvs with different torch or DeepSpeed versions
+rebuild each other's ops at every switch (minutes each). Unless the user set ``TORCH_EXTENSIONS_DIR``, it is set to
+a directory named after the environment's prefix (``environment_extensions_dir``), for this process and the ones it
+starts (DeepSpeed's own engine in ``smartinf-bench``).
+
 The first load compiles the op (minutes); torch guards the build with a ``lock`` file in the build directory and
 waits, without a limit, while one exists. A build killed part-way leaves that file behind, and every later load
 would then hang silently. So before loading we say when a compile is coming, remove a lock that no live build holds,
@@ -8,7 +14,10 @@ and wait on one that a live build holds for a bounded time only.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,13 +27,29 @@ from lightning_smartinf.errors import SetupError
 log = logging.getLogger(__name__)
 
 
-
 class BuildLockTimeout(SetupError, TimeoutError):
     """A live build of a DeepSpeed op held its lock longer than we wait."""
+
+
+def environment_extensions_dir() -> Path:
+    """This environment's own op cache: under the user's cache, named by the environment's prefix and a hash of its
+    path (``sys.prefix`` differs per virtualenv), so no two environments share one."""
+    prefix = Path(sys.prefix).resolve()
+    tag = f"{prefix.name}-{hashlib.sha256(str(prefix).encode()).hexdigest()[:10]}"
+    return Path("~/.cache/lightning_smartinf/torch_extensions").expanduser() / tag
+
+
+def use_environment_extensions_dir() -> Path:
+    """Set ``TORCH_EXTENSIONS_DIR`` to ``environment_extensions_dir()`` unless the user set it; return it."""
+    if not os.environ.get("TORCH_EXTENSIONS_DIR"):
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(environment_extensions_dir())
+    return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+
 
 def _build_directory(name: str) -> Path:
     from torch.utils.cpp_extension import _get_build_directory
 
+    use_environment_extensions_dir()
     return Path(_get_build_directory(name, False))
 
 
@@ -91,6 +116,7 @@ def build_all() -> list[str]:
     """Compile (or load) every op the engine can use, in this process; returns the names of those that loaded."""
     from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
 
+    use_environment_extensions_dir()
     loaded = []
     for builder in (AsyncIOBuilder(), CPUAdamBuilder()):
         if builder.is_compatible(verbose=False):

@@ -257,11 +257,14 @@ class SmartInfinityStrategy(ProcessStrategy):
     # -- checkpoints ---------------------------------------------------------------------------------------------
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The module's buffers and frozen parameters: the engine's weights are its fp32 masters, saved as files in
-        the checkpoint."""
+        """The module's buffers and the frozen parameters outside the streamed blocks: the engine's trained weights
+        are its fp32 masters, saved as files in the checkpoint. The streamed blocks' frozen parameters are not saved:
+        they never change, and a resume takes them from the model's init route again (``init_from``)."""
         module = self.lightning_module
         assert module is not None and self.engine is not None
-        owned = {id(slot.param) for block in self.engine.layout.blocks for slot in block.slots}
+        engine = self.engine
+        owned = {id(slot.param) for layout in (engine.layout, engine.frozen_layout) for block in layout.blocks
+                 for slot in block.slots}  # fmt: skip
         weights = {name for name, p in module.named_parameters(remove_duplicate=False) if id(p) in owned}
         return {k: v for k, v in module.state_dict().items() if k not in weights}
 

@@ -55,3 +55,18 @@ def test_a_live_builds_lock_is_waited_on_with_a_limit(tmp_path: Path, caplog: py
         builder.wait()
     clear_stale_lock("op", directory, grace=0.0)  # its builder gone, the lock goes too
     assert not (directory / "lock").exists()
+
+
+def test_each_environment_builds_its_ops_in_its_own_directory(monkeypatch, tmp_path: Path) -> None:
+    """Two virtualenvs sharing torch's default cache rebuilt each other's ops at every switch."""
+    import sys
+
+    from lightning_smartinf.ops import environment_extensions_dir, use_environment_extensions_dir
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    mine = use_environment_extensions_dir()
+    assert mine == environment_extensions_dir() and os.environ["TORCH_EXTENSIONS_DIR"] == str(mine)
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "other-venv"))
+    assert environment_extensions_dir() != mine and environment_extensions_dir().name.startswith("other-venv-")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "chosen"))
+    assert use_environment_extensions_dir() == tmp_path / "chosen"  # the user's choice stands

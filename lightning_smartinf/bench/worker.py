@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from lightning_smartinf.bench.systems import Workload, deepspeed_config, strategy_settings
 from lightning_smartinf.models.gpt import GPT, GPTConfig, GPTModule
+from lightning_smartinf.ops import use_environment_extensions_dir
 
 
 def disk_of(path: Path) -> str | None:
@@ -64,6 +65,8 @@ def summarize(samples: list[Sample], warmup: int, w: Workload, extra: dict[str, 
 def run_deepspeed(w: Workload, disk: str | None) -> dict[str, Any]:
     import deepspeed
     from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    use_environment_extensions_dir()  # DeepSpeed builds its ops in this environment's cache, as the engine does
 
     # a free port of its own: two runs on one machine must not meet in one TCPStore
     port = str(find_free_network_port())

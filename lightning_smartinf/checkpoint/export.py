@@ -30,11 +30,22 @@ def _master_files(root: Path) -> dict[str, Path]:
 
 
 def _parts(manifest: Any) -> list[tuple[dict[str, Any], Path]]:
-    """(layout, engine-state directory) of each rank that saved the checkpoint (one without data parallelism)."""
+    """(layout, engine-state directory) of each rank that saved the checkpoint (one without data parallelism).
+    A checkpoint of a model with frozen parameters in its streamed blocks holds no values for them: refused."""
     root = manifest.path / ENGINE_STATE
     if "ranks" in manifest.meta:
-        return [(meta["signature"]["layout"], root / f"rank{r}") for r, meta in enumerate(manifest.meta["ranks"])]
-    return [(manifest.meta["engine"]["signature"]["layout"], root)]
+        parts = [(meta["signature"]["layout"], root / f"rank{r}") for r, meta in enumerate(manifest.meta["ranks"])]
+    else:
+        parts = [(manifest.meta["engine"]["signature"]["layout"], root)]
+    frozen = parts[0][0].get("frozen", [])
+    if frozen:
+        raise CheckpointError(
+            f"{manifest.path} holds no values for the {len(frozen)} frozen parameters of its streamed blocks "
+            f"({frozen[0][0]}, ...): they never change, so they are the model's starting weights (init_from). "
+            "Export the trained model from the live run with trainer.strategy.export(DIR), or the adapters alone "
+            "(e.g. PEFT's save_pretrained)"
+        )
+    return parts
 
 
 def _block_tensors(manifest: Any, index: int, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:

@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 from lightning_smartinf import trace
 from lightning_smartinf.compress.topk import TopKCompressor
 from lightning_smartinf.config import CompressionConfig, OffloadConfig, UpdateConfig, parse_bytes
-from lightning_smartinf.core import HOST_LINK, Block, Layout, ParamSlot, StepContext, Subgroup
+from lightning_smartinf.core import FROZEN, HOST_LINK, Block, Layout, ParamSlot, StepContext, Subgroup
 from lightning_smartinf.engine.fence import StateFence
 from lightning_smartinf.engine.grads import GradientAccumulator
 from lightning_smartinf.engine.handback import WeightHandback
@@ -76,6 +76,17 @@ def planned_storage_bytes(
     return totals
 
 
+def _frozen_dtype(layout: Layout) -> torch.dtype | None:
+    """The one dtype of the streamed blocks' frozen parameters (None: there are none)."""
+    dtypes = {slot.dtype for block in layout.streamed for slot in block.slots}
+    if len(dtypes) > 1:
+        names = {slot.dtype: slot.name for block in layout.streamed for slot in block.slots}
+        raise ConfigError("the frozen parameters of the streamed blocks mix dtypes (" + ", ".join(
+            f"{name}: {str(dtype).removeprefix('torch.')}" for dtype, name in names.items()) + "): give them one "
+            "dtype, e.g. model.requires_grad_(False).to(torch.bfloat16) before adding trainable adapters")  # fmt: skip
+    return dtypes.pop() if dtypes else None
+
+
 def rank_path(path: str, rank: int, world: int) -> Path:
     """A rank's own directory: ``{rank}`` in ``path`` replaced, or, with several ranks and no ``{rank}``,
     ``path/rank{rank}`` (two ranks never share a state directory)."""
@@ -107,6 +118,11 @@ class OffloadEngine:
     """Subgroups whose state a checkpoint in the background is still copying: the step waits there (engine/fence.py)."""
     params: ParamStreamer
     """16-bit parameters: read ahead per block, written back per updated subgroup (engine/params.py)."""
+    frozen_layout: Layout
+    """The streamed blocks' frozen parameters (``requires_grad=False``): their own flat buffers and files."""
+    frozen: ParamStreamer | None
+    """Frozen parameters of the streamed blocks, in their own dtype, streamed with their block and never written
+    back (None when every streamed parameter trains)."""
     placement: HostPlacement
     """What ``offload.host_memory_budget`` put in host memory (engine/placement.py)."""
     updater: Updater | None
@@ -173,6 +189,9 @@ class OffloadEngine:
         self.block_modules = [m for _, m in block_list]
         groups = [g["params"] for g in optimizer.param_groups] if optimizer else [list(model.parameters())]
         self.layout = build_layout(model, block_list, groups, offload.subgroup_size, rank, world)
+        fixed = [p for p in model.parameters() if not p.requires_grad]
+        self.frozen_layout = build_layout(model, block_list, [fixed], offload.subgroup_size, rank, world, frozen=True)
+        self.frozen_dtype = _frozen_dtype(self.frozen_layout)
         self.partition = Partition(self.layout)
         self.overlapped = OverlappedStep(len(self.layout.blocks))
         self.fence = StateFence()
@@ -182,6 +201,10 @@ class OffloadEngine:
         roots = [rank_path(path, rank, world) for path in offload.paths]
         host_update = update.backend == "host"
         needed = planned_storage_bytes(self.layout, self.rule, offload, self.itemsize, host_update)
+        if offload.params == "nvme" and self.frozen_dtype is not None:
+            frozen_itemsize = torch.empty((), dtype=self.frozen_dtype).element_size()
+            for sg in self.frozen_layout.subgroups:
+                needed[stripe_of(sg.key, len(needed))] += align_up(sg.numel * frozen_itemsize)
         self._locks: list[StateLock] = []
         try:
             self._build(roots, needed, update)
@@ -230,6 +253,12 @@ class OffloadEngine:
         self.params = ParamStreamer(self.layout, param_store, self.param_dtype, self.device, offload.prefetch,
                                     self.partition, disk.allocator if param_store is disk else None,
                                     self.overlapped, gather_group)  # fmt: skip
+        self.frozen = None
+        if self.frozen_dtype is not None:  # read only: nothing to wait for, a gather group of its own under DP
+            self.frozen = ParamStreamer(self.frozen_layout, param_store, self.frozen_dtype, self.device,
+                                        offload.prefetch, Partition(self.frozen_layout),
+                                        disk.allocator if param_store is disk else None, None,
+                                        dist.new_group() if self.layout.world > 1 else None, kind=FROZEN)  # fmt: skip
         # the stores a placement may split between RAM and disk are built first, empty of RAM names, so that
         # ``auto`` sees every buffer pool the engine allocates before it sizes the budget
         budget = self.cfg.host_memory_budget
@@ -285,8 +314,9 @@ class OffloadEngine:
         return numel * (2 * self.itemsize + 4) if self.device.type == "cpu" else numel * 4
 
     def _working_bytes(self) -> int:
-        """Set-up's working set: the largest block in its own dtype."""
-        return max((sum(s.nbytes for s in b.slots) for b in self.layout.blocks), default=0)
+        """Set-up's working set: the largest block in its own dtype (frozen parameters too)."""
+        pairs = zip(self.layout.blocks, self.frozen_layout.blocks, strict=True)
+        return max((sum(s.nbytes for s in b.slots + f.slots) for b, f in pairs), default=0)
 
     def _reserved_bytes(self) -> int:
         """Host memory the engine takes whatever the budget: its buffer pools, the resident set, set-up's working
@@ -342,20 +372,23 @@ class OffloadEngine:
         none (meta) or come from ``init_from``, then its master and 16-bit copies go to storage and its host
         tensors are freed, so set-up holds one block at a time whatever the model's size."""
         self.weights = WeightHandback(self)
-        owned = {id(slot.param) for block in self.layout.blocks for slot in block.slots}
+        owned = {id(slot.param) for layout in (self.layout, self.frozen_layout) for block in layout.blocks
+                 for slot in block.slots}  # fmt: skip
         frozen = [ParamSlot(n, p, 0, p.numel(), p.shape, p.dtype) for n, p in self.model.named_parameters()
                   if id(p) not in owned]  # fmt: skip
         self._share(self.materializer.materialize(frozen, None))
-        for slot in frozen:  # frozen ones stay in the module, on the training device
+        for slot in frozen:  # frozen ones outside the blocks stay in the module, on the training device
             if slot.param.device != self.device:
                 slot.param.data = slot.param.data.to(self.device)
         if self.materializer.pretrained is not None:
             self.materializer.pretrained.fill_buffers(self.model)
-        for block in self.layout.blocks:
-            self._share(self.materializer.materialize(block.slots, block))
+        for block, fixed in zip(self.layout.blocks, self.frozen_layout.blocks, strict=True):
+            self._share(self.materializer.materialize(block.slots + fixed.slots, block))
             if self.updater is not None:
                 self.updater.initialize(block.subgroups, self._initial_master)
             self.params.initialize_block(block)
+            if self.frozen is not None:
+                self.frozen.initialize_block(fixed)
             release_free_heap()
         self.block_forwards = wrap_blocks(self, self.block_modules)
 
@@ -384,24 +417,39 @@ class OffloadEngine:
     def host_memory_bytes(self) -> int:
         """Host memory held by the engine's buffer pools (fixed at set-up)."""
         pools = self.params.host_bytes + self.grads.host_bytes + self._grad_flat.numel()
+        pools += self.frozen.host_bytes if self.frozen is not None else 0
         return pools + (getattr(self.updater, "host_bytes", 0) or 0)
 
     # -- the schedule's hooks (BlockRunner) ------------------------------------------------------------------------
+    @property
+    def streamers(self) -> list[ParamStreamer]:
+        """The trainable parameters' streamer, and the frozen ones' where the blocks have any."""
+        return [self.params] if self.frozen is None else [self.params, self.frozen]
+
     def enter_block(self, index: int, backward: bool) -> None:
         with trace.span(f"fetch {index}", "wait", block=index):
-            self.params.fetch(index)
+            for streamer in self.streamers:
+                streamer.fetch(index)
         step = -1 if backward else 1
         for ahead in range(1, self.cfg.prefetch + 1):
-            self.params.prefetch(index + step * ahead)
+            for streamer in self.streamers:
+                streamer.prefetch(index + step * ahead)
         trace.begin(("block", index))
 
     def exit_block(self, index: int, backward: bool) -> None:
         trace.end(("block", index), f"{'backward' if backward else 'forward'} {index}", "compute", block=index)
-        self.params.release(index)
+        for streamer in self.streamers:
+            streamer.release(index)
+
+    def release_blocks(self) -> None:
+        """Release every fetched or prefetched block, trainable and frozen parameters both."""
+        for streamer in self.streamers:
+            streamer.release_all()
 
     def block_parameters(self, index: int) -> list[torch.nn.Parameter]:
-        """The streamed parameters of block ``index`` (views of one buffer while the block is fetched)."""
-        return [slot.param for slot in self.layout.blocks[index].slots]
+        """The streamed parameters of block ``index``, trainable then frozen (views of one buffer each while the
+        block is fetched)."""
+        return [slot.param for layout in (self.layout, self.frozen_layout) for slot in layout.blocks[index].slots]
 
     def collect_block_grads(self, index: int) -> None:
         block = self.layout.blocks[index]
@@ -589,12 +637,13 @@ class OffloadEngine:
 
     def close(self) -> None:
         self.wait_step()
-        self.params.release_all()
+        self.release_blocks()
         unwrap_blocks(self.block_modules)
         if self.updater is not None:
             self.updater.close()
         self.grads.close()
-        self.params.close()
+        for streamer in self.streamers:
+            streamer.close()
         for backend in self._backends:
             backend.close()
         self._release_locks()

@@ -25,17 +25,24 @@ def export_live(engine: OffloadEngine, out: Path, dtype: str = "fp32", max_shard
         raise ConfigError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     target = DTYPES[dtype]
     aliases = parameter_aliases(engine)
-    slots = [slot for block in engine.layout.blocks for slot in block.slots]
+    pairs = list(zip(engine.layout.blocks, engine.frozen_layout.blocks, strict=True))
+    slots = [slot for block, fixed in pairs for slot in block.slots + fixed.slots]
     owned = {slot.name for slot in slots} | set(aliases)
     extra = {k: v for k, v in engine.model.state_dict().items() if k not in owned}
     plan = plan_tensors(((s.name, tuple(s.shape)) for s in slots), aliases, extra, target)
 
     def params() -> Iterator[tuple[str, torch.Tensor]]:
-        for block in engine.layout.blocks:
+        """Each block's trained parameters from their masters, then its frozen ones from their files."""
+        for block, fixed in pairs:
             flat = engine.block_masters(block)
             for slot in block.slots:
                 yield slot.name, flat[slot.offset : slot.offset + slot.numel].view(slot.shape).to(target)
             del flat
+            if fixed.slots and engine.frozen is not None:
+                values = engine.frozen.read_block(fixed.index)
+                for slot in fixed.slots:
+                    yield slot.name, values[slot.offset : slot.offset + slot.numel].view(slot.shape).to(target)
+                del values
             release_free_heap()  # one block at a time in fact, not only in intent (memory.py)
 
     tensors = with_aliases(params(), aliases, extra)

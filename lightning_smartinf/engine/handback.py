@@ -35,6 +35,8 @@ class WeightHandback:
     def __init__(self, engine: OffloadEngine) -> None:
         self.engine = engine
         self.slots = [slot for block in engine.layout.blocks for slot in block.slots]
+        self.frozen_slots = [slot for block in engine.frozen_layout.blocks for slot in block.slots]
+        """Frozen parameters of the streamed blocks: read back from their files (never kept aside in memory)."""
         self.given: str | None = None
         self._swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
         # without an optimizer nothing changes the weights, and the 16-bit copies may have rounded them: keep them
@@ -44,8 +46,8 @@ class WeightHandback:
 
     @property
     def nbytes(self) -> int:
-        """Host bytes of every engine-owned parameter in its original dtype."""
-        return sum(s.nbytes for s in self.slots)
+        """Host bytes of every engine-owned parameter in its original dtype, the streamed frozen ones included."""
+        return sum(s.nbytes for s in self.slots + self.frozen_slots)
 
     def resolve(self, mode: str) -> str:
         if mode != "auto":
@@ -60,7 +62,7 @@ class WeightHandback:
             return self.given
         engine = self.engine
         engine.wait_step()
-        engine.params.release_all()
+        engine.release_blocks()
         unwrap_blocks(engine.block_modules)
         chosen = self.resolve(mode)
         if engine.updater is None and self._originals is None:  # nothing to fill from: meta-built, not trained
@@ -74,6 +76,7 @@ class WeightHandback:
 
     def _fill(self) -> None:
         engine = self.engine
+        self._fill_frozen()
         if self._originals is not None:
             for slot, original in zip(self.slots, self._originals, strict=True):
                 slot.param.data = original
@@ -84,10 +87,21 @@ class WeightHandback:
                 value = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
                 slot.param.data = value.to(device=engine.device, dtype=slot.dtype, copy=True)
 
+    def _fill_frozen(self) -> None:
+        """The streamed blocks' frozen parameters, read block by block from their files into tensors of their own."""
+        frozen = self.engine.frozen
+        if frozen is None:
+            return
+        for block in self.engine.frozen_layout.streamed:
+            flat = frozen.read_block(block.index)
+            for slot in block.slots:
+                value = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                slot.param.data = value.to(device=self.engine.device, copy=True)
+
     def _to_meta(self, mode: str) -> None:
         """Replace each engine-owned Parameter by a meta Parameter (one new object per shared one, so tied weights
         stay tied); the originals are kept for ``take``, since the optimizer holds them."""
-        replacement = {id(s.param): _meta_like(s) for s in self.slots}
+        replacement = {id(s.param): _meta_like(s) for s in self.slots + self.frozen_slots}
         for module in self.engine.model.modules():
             for name, param in list(module._parameters.items()):
                 if param is not None and id(param) in replacement:
@@ -113,7 +127,8 @@ class WeightHandback:
             module._parameters[name] = param
         self._swapped.clear()
         engine = self.engine
-        engine.params.attach()
+        for streamer in engine.streamers:
+            streamer.attach()
         engine.block_forwards = wrap_blocks(engine, engine.block_modules)
         self.given = None
 

@@ -30,14 +30,19 @@ def build_layout(
     subgroup_size: int,
     rank: int = 0,
     world: int = 1,
+    frozen: bool = False,
 ) -> Layout:
     """Place every trainable parameter of ``model`` into a block, a flat offset and (on rank ``rank`` of ``world``)
     a subgroup.
 
     ``param_groups`` lists the optimizer's parameters per group; every trainable parameter must be in exactly one.
-    Frozen parameters (``requires_grad=False``) are left out: they stay in the module as they are, get no optimizer
-    state and no gradient traffic (and an optimizer that lists them does not step them, as torch skips a parameter
-    without a gradient). A parameter used by several blocks is resident, so that it is one tensor for all of them.
+    Frozen parameters (``requires_grad=False``) are left out: they get no optimizer state and no gradient traffic
+    (and an optimizer that lists them does not step them, as torch skips a parameter without a gradient). A
+    parameter used by several blocks is resident, so that it is one tensor for all of them.
+
+    ``frozen=True`` lays out the frozen parameters of the streamed blocks instead (``param_groups``: one group of
+    them), which stream read-only beside the trainable ones; the resident block is then empty (frozen parameters
+    outside the blocks stay in the module, on the training device).
     """
     group_of: dict[int, int] = {}
     for gi, group in enumerate(param_groups):
@@ -50,14 +55,15 @@ def build_layout(
         if pid not in names:
             raise ConfigError("the optimizer holds a parameter that is not in the LightningModule")
     missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in group_of]
-    if missing:
+    if missing and not frozen:
         raise ConfigError(
             f"parameters {missing[:5]}{'...' if len(missing) > 5 else ''} require gradients but are not in the "
             "optimizer: pass them to the optimizer, or freeze them with requires_grad_(False) before fit"
         )
 
     def trainable(module: nn.Module, prefix: str) -> list[nn.Parameter]:
-        return [p for _, p in module.named_parameters(prefix=prefix) if p.requires_grad]
+        """The parameters this layout places: the trainable ones (or, with ``frozen``, the frozen ones)."""
+        return [p for _, p in module.named_parameters(prefix=prefix) if p.requires_grad != frozen]
 
     users: dict[int, int] = {}
     for name, module in block_modules:
@@ -73,7 +79,7 @@ def build_layout(
                 block.slots.append(ParamSlot(names[id(p)], p, 0, p.numel(), p.shape, p.dtype))
         blocks.append(block)
     for name, p in model.named_parameters():
-        if p.requires_grad and id(p) not in in_block:
+        if p.requires_grad and id(p) not in in_block and not frozen:
             blocks[0].slots.append(ParamSlot(name, p, 0, p.numel(), p.shape, p.dtype))
 
     rounded = round_up(subgroup_size)

@@ -40,8 +40,11 @@ class ParamStreamer:
         allocator: Allocator | None = None,
         updates: OverlappedStep | None = None,
         gather_group: Any = None,
+        kind: str = PARAM,
     ) -> None:
         self.layout = layout
+        self.kind = kind
+        """The store's name for these parameters: PARAM (trainable, rewritten after each step) or FROZEN (read only)."""
         self.partition = partition or Partition(layout)
         self.store = store
         self.dtype = dtype
@@ -83,7 +86,7 @@ class ParamStreamer:
         for slot in block.slots:
             flat[slot.offset : slot.offset + slot.numel].copy_(slot.param.data.reshape(-1))
             slot.param.data = self._empty
-        writes = [self.store.write(PARAM, sg.key, self._sg_bytes(raw, sg), sg.numel * self.itemsize)
+        writes = [self.store.write(self.kind, sg.key, self._sg_bytes(raw, sg), sg.numel * self.itemsize)
                   for sg in block.subgroups]  # fmt: skip
         for write in writes:
             write.result()
@@ -119,7 +122,7 @@ class ParamStreamer:
         self._loading[block.index] = (raw, self._read(block, raw))
 
     def _read(self, block: Block, raw: torch.Tensor) -> list[Future[None]]:
-        return [self.store.read(PARAM, sg.key, self._sg_bytes(raw, sg), sg.numel * self.itemsize, urgent=True)
+        return [self.store.read(self.kind, sg.key, self._sg_bytes(raw, sg), sg.numel * self.itemsize, urgent=True)
                 for sg in block.subgroups]  # fmt: skip
 
     def fetch(self, index: int) -> None:
@@ -159,6 +162,20 @@ class ParamStreamer:
         with trace.span(f"all-gather {index}", "comm", block=index):
             self.partition.gather_block(flat, block, self._gather_group)
         return flat, held
+
+    def read_block(self, index: int) -> torch.Tensor:
+        """A copy of block ``index``'s parameters as its flat buffer (every rank's chunk gathered: a collective under
+        data parallelism), leaving the module's parameters as they are (hand-back and export read this way)."""
+        block = self.layout.blocks[index]
+        raw = self.pool.acquire(block.numel * self.itemsize)
+        try:
+            for read in self._read(block, raw):
+                read.result()
+            flat = typed_view(raw, self.dtype, block.numel).clone()
+        finally:
+            self.pool.release(raw)
+        self.partition.gather_block(flat, block)
+        return flat
 
     def release(self, index: int) -> None:
         held = self._live.pop(index, None)

@@ -65,7 +65,8 @@ def block_flops(engine: OffloadEngine, hidden: torch.Tensor) -> float:
     matmul's rate, and the planner's compute term should see the rate the model gets."""
     if not engine.layout.streamed:
         return float("inf")
-    engine.params.fetch(1)
+    for streamer in engine.streamers:
+        streamer.fetch(1)
     try:
         seconds = float("inf")
         with torch.no_grad():
@@ -76,20 +77,24 @@ def block_flops(engine: OffloadEngine, hidden: torch.Tensor) -> float:
                     torch.cuda.synchronize(hidden.device)
                 seconds = min(seconds, time.perf_counter() - start)
     finally:
-        engine.params.release(1)
+        for streamer in engine.streamers:
+            streamer.release(1)
     tokens = hidden.numel() // hidden.shape[-1]
-    return 2.0 * engine.layout.blocks[1].numel * tokens / seconds
+    numel = engine.layout.blocks[1].numel + engine.frozen_layout.blocks[1].numel
+    return 2.0 * numel * tokens / seconds
 
 
 def kept_block_bytes(engine: OffloadEngine, hidden: torch.Tensor) -> int:
     """Bytes the first streamed block's kept forward graph holds on ``hidden`` (the whole batch's hidden states)."""
     if not engine.layout.streamed:
         return 0
-    engine.params.fetch(1)
+    for streamer in engine.streamers:
+        streamer.fetch(1)
     try:
         return activation_bytes(engine.block_forwards[0], hidden, engine.block_parameters(1))
     finally:
-        engine.params.release(1)
+        for streamer in engine.streamers:
+            streamer.release(1)
 
 
 def activation_memory(engine: OffloadEngine) -> int:

@@ -88,7 +88,10 @@ def state_files(engine: OffloadEngine) -> list[tuple[str, Path, str]]:
 
 
 def layout_record(engine: OffloadEngine) -> dict[str, Any]:
-    """The layout as plain data: enough to find any parameter's fp32 values in the saved master files."""
+    """The layout as plain data: enough to find any parameter's fp32 values in the saved master files; and the
+    streamed blocks' frozen parameters, whose values a checkpoint does not hold (listed only where there are any,
+    so a checkpoint of a model without them matches its earlier signature)."""
+    frozen = [[s.name, list(s.shape)] for b in engine.frozen_layout.streamed for s in b.slots]
     return {
         "blocks": [
             {
@@ -100,6 +103,7 @@ def layout_record(engine: OffloadEngine) -> dict[str, Any]:
         ],
         "subgroups": [[sg.key, sg.block, sg.param_group, sg.offset, sg.numel] for sg in engine.layout.subgroups],
         "aliases": parameter_aliases(engine),
+        **({"frozen": frozen} if frozen else {}),
     }
 
 

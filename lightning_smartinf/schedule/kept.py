@@ -19,29 +19,35 @@ import torch
 
 @dataclass(frozen=True)
 class _ParamView:
-    """A saved tensor that was a view of the block's parameter storage, by position relative to its first one."""
+    """A saved tensor that was a view of one of the block's parameter buffers (``buffer``: the index of its first
+    parameter in ``params``), by position relative to that parameter."""
 
+    buffer: int
     size: torch.Size
     stride: tuple[int, ...]
     position: int
 
 
 def parameter_references(params: Sequence[torch.Tensor]) -> torch.autograd.graph.saved_tensors_hooks:
-    """Saved-tensor hooks for one forward of a block whose parameters ``params`` are views of one buffer (as the
-    engine fetches them); the backward must run while the block is fetched again."""
-    if not params:
+    """Saved-tensor hooks for one forward of a block whose parameters ``params`` are views of a few buffers (as the
+    engine fetches them: the trainable ones in one, the frozen ones in another); the backward must run while the
+    block is fetched again."""
+    anchors: dict[int, tuple[int, torch.dtype, int]] = {}  # storage -> (index of its first param, dtype, offset)
+    for i, p in enumerate(params):
+        if p.data.numel():
+            anchors.setdefault(p.data.untyped_storage().data_ptr(), (i, p.dtype, int(p.data.storage_offset())))
+    if not anchors:
         return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-    anchor = params[0]
-    storage, dtype, base = anchor.data.untyped_storage().data_ptr(), anchor.dtype, int(anchor.data.storage_offset())
 
     def pack(tensor: torch.Tensor) -> Any:
-        if tensor.dtype == dtype and tensor.untyped_storage().data_ptr() == storage:
-            return _ParamView(tensor.size(), tensor.stride(), int(tensor.storage_offset()) - base)
+        found = anchors.get(tensor.untyped_storage().data_ptr())
+        if found is not None and tensor.dtype == found[1]:
+            return _ParamView(found[0], tensor.size(), tensor.stride(), int(tensor.storage_offset()) - found[2])
         return tensor
 
     def unpack(saved: Any) -> torch.Tensor:
         if isinstance(saved, _ParamView):
-            current = anchor.data
+            current = params[saved.buffer].data
             return current.as_strided(saved.size, saved.stride, current.storage_offset() + saved.position)
         return saved  # type: ignore[no-any-return]
 

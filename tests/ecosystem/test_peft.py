@@ -1,0 +1,127 @@
+"""PEFT LoRA as its users write it, over base weights that live on storage: the frozen weights of the streamed
+blocks stream read-only (no master, no state, no gradient, no write-back), the adapters train as every trainable
+parameter does, and the result equals plain Lightning + PEFT in fp32."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from zoo import VOCAB, token_batches
+
+from lightning_smartinf.config import ScheduleConfig
+from lightning_smartinf.core import FROZEN, HOST_LINK
+from lightning_smartinf.strategy import SmartInfinityStrategy
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+SHAPE = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}  # fmt: skip
+
+
+class LoRAModule(pl.LightningModule):
+    """A user's LoRA fine-tune: ``get_peft_model`` over a Hugging Face model, AdamW over what requires grad."""
+
+    def __init__(self, arch: str, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        config = transformers.AutoConfig.for_model(arch, **SHAPE, tie_word_embeddings=arch == "qwen2")
+        base = transformers.AutoModelForCausalLM.from_config(config)
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                               lora_dropout=0.0, init_lora_weights="gaussian")  # fmt: skip
+        self.model = peft.get_peft_model(base, lora)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch, labels=batch).loss  # type: ignore[no-any-return]
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("val_loss", self.training_step(batch, batch_idx))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+
+
+def fit(module: LoRAModule, strategy: Any, batch_size: int = 2, accumulate: int = 2) -> pl.Trainer:
+    run = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=3, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     precision="32-true", limit_val_batches=0, accumulate_grad_batches=accumulate)  # fmt: skip
+    run.fit(module, token_batches(batch_size=batch_size))
+    return run
+
+
+def smart(tmp_path: Path, vertical: bool) -> SmartInfinityStrategy:
+    strategy = SmartInfinityStrategy(
+        offload={"nvme_path": str(tmp_path / "state"), "subgroup_size": 4096, "io_backend": "threads",
+                 "host_memory_budget": "0"},
+        update={"host_adam": "torch"},
+    )  # fmt: skip
+    if vertical:
+        strategy.schedule = ScheduleConfig("vertical", micro_batches=2)
+    return strategy
+
+
+@pytest.mark.parametrize("vertical", [False, True], ids=["horizontal", "vertical"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_lora_equals_plain_lightning_with_the_base_on_storage(tmp_path: Path, arch: str, vertical: bool) -> None:
+    start = {k: v.clone() for k, v in LoRAModule(arch).state_dict().items()}
+    reference = LoRAModule(arch)
+    fit(reference, "auto")
+    ours = LoRAModule(arch)
+    seen: dict[str, Any] = {}
+
+    class Probe(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            base = pl_module.model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+            seen["resident_numel"] = base.data.numel()  # empty between block calls: it lives on storage
+
+    run = pl.Trainer(strategy=smart(tmp_path, vertical), accelerator="cpu", devices=1, max_steps=3, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     precision="32-true", limit_val_batches=0, accumulate_grad_batches=1 if vertical else 2,
+                     callbacks=[Probe()])  # fmt: skip
+    run.fit(ours, token_batches(batch_size=4 if vertical else 2))
+    assert seen["resident_numel"] == 0
+    engine = run.strategy.engine  # type: ignore[attr-defined]
+    frozen_numel = sum(s.numel for b in engine.frozen_layout.streamed for s in b.slots)
+    layer_base = sum(p.numel() for n, p in reference.model.base_model.model.model.layers.named_parameters()
+                     if "lora_" not in n)  # fmt: skip
+    assert frozen_numel == layer_base  # every base weight of the blocks, none of the adapters
+    reads = engine.counters.table()[f"{HOST_LINK}/read"]
+    passes = 2 * (1 if vertical else 2) * 3  # forward and backward, per micro-batch (horizontal) or per step
+    passes += 1  # and once more as fit ends, into the module (offload.return_weights)
+    assert reads[FROZEN] == passes * frozen_numel * 4  # fp32 weights, read and never written
+    assert engine.counters.table()[f"{HOST_LINK}/write"][FROZEN] == frozen_numel * 4  # once, at set-up
+    plain = reference.state_dict()
+    for name, value in ours.state_dict().items():
+        if "lora_" in name:
+            torch.testing.assert_close(value, plain[name], rtol=1e-5, atol=1e-6, msg=name)
+        else:
+            assert torch.equal(value, start[name]), name  # the base, bit for bit as it started
+    assert any(not torch.equal(v, start[k]) for k, v in plain.items() if "lora_" in k)
+
+
+def test_the_adapter_saves_as_peft_writes_it(tmp_path: Path) -> None:
+    ours = LoRAModule("llama")
+    fit(ours, smart(tmp_path, vertical=False))
+    ours.model.save_pretrained(tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    fresh = LoRAModule("llama")  # the same base (seeded), untrained adapters
+    loaded = peft.PeftModel.from_pretrained(fresh.model.base_model.model, tmp_path / "adapter")
+    tokens = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=tokens).logits, ours.model(input_ids=tokens).logits)
+
+
+def test_a_merged_model_exports_streamed(tmp_path: Path) -> None:
+    """strategy.export writes base and adapters block by block; merging them afterwards gives the fine-tune."""
+    ours = LoRAModule("llama")
+    run = fit(ours, smart(tmp_path, vertical=False))
+    files = run.strategy.export(tmp_path / "export")  # type: ignore[attr-defined]
+    from safetensors.torch import load_file
+
+    exported = {k: v for f in files for k, v in load_file(f).items()}
+    for name, value in ours.state_dict().items():
+        torch.testing.assert_close(exported[name], value, msg=name)
