@@ -153,6 +153,8 @@ class SmartInfinityStrategy(ProcessStrategy):
         if self.engine is not None and self.optimizers and self.engine.optimizer is None:
             self.engine.weights.keep_in_module()  # an engine built for evaluation: fit needs one with the optimizer
             self.close()
+        if self.engine is not None and (changed := self.engine.weights.changed_status()):
+            self._rebuild_for(changed)
         if self.engine is not None:
             self.engine.weights.take()
         if self.engine is None:
@@ -178,6 +180,20 @@ class SmartInfinityStrategy(ProcessStrategy):
         callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
         if not any(isinstance(cb, SmartInfinityMonitor) for cb in callbacks):
             callbacks.append(SmartInfinityMonitor())
+
+    def _rebuild_for(self, changed: list[str]) -> None:
+        """``requires_grad`` changed between stages (it is read at set-up): the engine is built anew from the weights
+        the last stage handed back to the module, which must hold them."""
+        assert self.engine is not None
+        if self.engine.weights.given != "module":
+            raise ConfigError(
+                f"requires_grad of {changed[0]} ({len(changed)} parameter(s)) changed since set-up, and the trained "
+                "weights are on storage only (offload.return_weights gave meta tensors): export them with "
+                "strategy.export(DIR) and start a new run from that directory (init_from) with the new settings"
+            )
+        log.info("smart_infinity: requires_grad of %s (%d parameter(s)) changed since set-up: building the engine "
+                 "anew from the module's weights", changed[0], len(changed))  # fmt: skip
+        self.close()
 
     def _vertical_schedule(self, trainer: pl.Trainer, s: ScheduleConfig) -> VerticalSchedule | ParkedVertical:
         """The explicit protocol's schedule where the module has ``vertical_pre``/``vertical_loss`` (the fast path:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from lightning_smartinf.core import ParamSlot
+from lightning_smartinf.errors import ConfigError
 from lightning_smartinf.memory import host_available_bytes
 from lightning_smartinf.schedule.horizontal import unwrap_blocks, wrap_blocks
 from lightning_smartinf.storage.space import human_bytes
@@ -37,6 +38,8 @@ class WeightHandback:
         self.slots = [slot for block in engine.layout.blocks for slot in block.slots]
         self.frozen_slots = [slot for block in engine.frozen_layout.blocks for slot in block.slots]
         """Frozen parameters of the streamed blocks: read back from their files (never kept aside in memory)."""
+        self._frozen_sums: list[float] = []
+        """Each handed-back frozen parameter's sum: ``take`` refuses a stage whose frozen weights were changed."""
         self.given: str | None = None
         self._swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
         # without an optimizer nothing changes the weights, and the 16-bit copies may have rounded them: keep them
@@ -92,11 +95,13 @@ class WeightHandback:
         frozen = self.engine.frozen
         if frozen is None:
             return
+        self._frozen_sums = []
         for block in self.engine.frozen_layout.streamed:
             flat = frozen.read_block(block.index)
             for slot in block.slots:
                 value = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
                 slot.param.data = value.to(device=self.engine.device, copy=True)
+                self._frozen_sums.append(_checksum(slot.param.data))
 
     def _to_meta(self, mode: str) -> None:
         """Replace each engine-owned Parameter by a meta Parameter (one new object per shared one, so tied weights
@@ -119,10 +124,31 @@ class WeightHandback:
             why, self.engine.root,
         )  # fmt: skip
 
+    def changed_status(self) -> list[str]:
+        """Parameters whose ``requires_grad`` differs from what set-up laid out (changed between stages): the
+        engine must be built anew for them to take effect."""
+        now = {name: p.requires_grad for name, p in self.engine.model.named_parameters()}
+        return ([s.name for s in self.slots if not now.get(s.name, True)]
+                + [s.name for s in self.frozen_slots if now.get(s.name, False)])  # fmt: skip
+
+    def _check_frozen_unchanged(self) -> None:
+        """A frozen weight changed in the module since it was handed back would not be seen (the engine streams
+        what it stored at set-up): refuse before anything is written."""
+        if self.given != "module" or not self._frozen_sums:
+            return
+        for slot, before in zip(self.frozen_slots, self._frozen_sums, strict=True):
+            if _checksum(slot.param.data) != before:
+                raise ConfigError(
+                    f"the frozen parameter {slot.name} changed in the module since the last stage ended; "
+                    "smart_infinity streams the frozen weights it stored at set-up and would not see the change: "
+                    "start a new Trainer (and strategy) to train with new frozen weights"
+                )
+
     def take(self) -> None:
         """Start of the next stage: the engine owns the parameters again (its state is the current one)."""
         if self.given is None:
             return
+        self._check_frozen_unchanged()
         for module, name, param in self._swapped:
             module._parameters[name] = param
         self._swapped.clear()
@@ -138,6 +164,10 @@ class WeightHandback:
         if self.given != "module":
             self.take()
             self.give("module")
+
+
+def _checksum(tensor: torch.Tensor) -> float:
+    return float(tensor.detach().double().sum())
 
 
 def _meta_like(slot: ParamSlot) -> nn.Parameter:

@@ -125,3 +125,59 @@ def test_a_merged_model_exports_streamed(tmp_path: Path) -> None:
     exported = {k: v for f in files for k, v in load_file(f).items()}
     for name, value in ours.state_dict().items():
         torch.testing.assert_close(exported[name], value, msg=name)
+
+
+def test_frozen_weights_changed_between_stages_are_refused(tmp_path: Path) -> None:
+    module = LoRAModule("llama")
+    run = fit(module, smart(tmp_path, vertical=False))
+    base = module.model.base_model.model.model.layers[1].mlp.up_proj.weight
+    with torch.no_grad():
+        base.add_(1.0)
+    with pytest.raises(ValueError, match=r"frozen parameter .*layers\.1\.mlp\.up_proj\.weight changed"):
+        run.validate(module, token_batches(samples=4), verbose=False)
+
+
+def test_requires_grad_changed_between_stages_takes_effect_at_the_next_set_up(tmp_path: Path) -> None:
+    """Unfreeze the second layer's MLP after a LoRA stage: the next fit trains it, as plain Lightning does."""
+    reference, ours = LoRAModule("llama"), LoRAModule("llama")
+    runs = [(reference, "auto"), (ours, smart(tmp_path, vertical=False))]
+    for module, strategy in runs:
+        run = fit(module, strategy)
+        module.model.base_model.model.model.layers[1].mlp.requires_grad_(True)
+        run.fit_loop.epoch_loop.max_steps = 6
+        run.fit(module, token_batches(batch_size=2))
+    plain = reference.state_dict()
+    for name, value in ours.state_dict().items():
+        torch.testing.assert_close(value, plain[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert any("layers.1.mlp" in s.name for s in run.strategy.engine.layout.streamed[1].slots)  # type: ignore[attr-defined]
+
+
+def test_validate_of_a_model_built_on_meta_streams_it_from_storage(tmp_path: Path) -> None:
+    """Before any fit: built on meta, its weights read from a sharded directory into storage, validated there."""
+    source = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("llama", **SHAPE))
+    source.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+
+    class Eval(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = transformers.AutoModelForCausalLM.from_config(source.config)
+
+        def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+            self.log("val_loss", self.model(input_ids=batch, labels=batch).loss)
+
+    plain = Eval()
+    plain.model.load_state_dict(source.state_dict())
+    loader = token_batches(samples=8)
+    expected = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False).validate(plain, loader)
+    strategy = SmartInfinityStrategy(offload={"nvme_path": str(tmp_path / "state"), "subgroup_size": 4096,
+                                              "io_backend": "threads", "host_memory_budget": "0"},
+                                     init_from=tmp_path / "hf")  # fmt: skip
+    run = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                     precision="32-true")  # fmt: skip
+    with run.init_module(empty_init=True):
+        ours = Eval()
+    assert ours.model.model.layers[0].mlp.up_proj.weight.is_meta
+    got = run.validate(ours, loader, verbose=False)
+    assert abs(got[0]["val_loss"] - expected[0]["val_loss"]) < 1e-5
+    reads = run.strategy.engine.counters.table()[f"{HOST_LINK}/read"]  # type: ignore[attr-defined]
+    assert reads["param"] > 0 and "master" not in reads  # streamed from storage, no optimizer state
