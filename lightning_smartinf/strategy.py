@@ -144,15 +144,17 @@ class SmartInfinityStrategy(ProcessStrategy):
         self._fitting = trainer.state.fn == TrainerFn.FITTING
         if self._fitting and self.offload.async_save and self.is_distributed and self._save_group is None:
             self._save_group = dist.new_group(backend="gloo")  # the background saves' collectives, apart
+        if self.engine is not None and self._fitting and self.engine.optimizer is None:
+            # an engine built for evaluation: fit needs one with the optimizer, over the parameters the module holds
+            # once the weights are back (so before the optimizer is made)
+            self.engine.weights.keep_in_module()
+            self.close()
         if self._fitting:
             self.setup_optimizers(trainer)
             if len(self.optimizers) != 1:
                 raise ConfigError(
                     f"smart_infinity drives exactly one optimizer; configure_optimizers returned {len(self.optimizers)}"
                 )
-        if self.engine is not None and self.optimizers and self.engine.optimizer is None:
-            self.engine.weights.keep_in_module()  # an engine built for evaluation: fit needs one with the optimizer
-            self.close()
         if self.engine is not None and (changed := self.engine.weights.changed_status()):
             self._rebuild_for(changed)
         if self.engine is not None:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from lightning_smartinf.core import Block, ParamSlot
+from lightning_smartinf.ecosystem.adapters import initialize_adapters
 from lightning_smartinf.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -69,11 +70,17 @@ class Materializer:
         with their values: from the pretrained file where one is given, else the init route. Returns the slots
         the init route filled (data parallel ranks take rank 0's values of those)."""
         if self.pretrained is not None:
+            adapters = []
             for slot in slots:
                 if slot.param.is_meta:
                     _swap_in(slot.param, torch.empty(slot.shape, dtype=slot.dtype))
-                self.pretrained.fill(slot.name, slot.param)
-            return []
+                if slot.name in self.pretrained.adapters:
+                    adapters.append(slot)
+                else:
+                    self.pretrained.fill(slot.name, slot.param)
+            with torch.no_grad():  # the adapters no checkpoint holds: PEFT's own init (random A; LoRA's B zero)
+                initialize_adapters(self.model, [self.pretrained.adapters[s.name] for s in adapters])
+            return adapters
         metas = [s for s in slots if s.param.is_meta]
         if not metas:
             return []

@@ -23,6 +23,7 @@ from safetensors import safe_open
 from torch import nn
 
 from lightning_smartinf.checkpoint.shards import INDEX, SINGLE
+from lightning_smartinf.ecosystem.adapters import adapter_parameters, checkpoint_name
 from lightning_smartinf.errors import ConfigError
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -118,10 +119,17 @@ class PretrainedSource:
         # every name of every parameter (tied weights have several) and of every persistent buffer
         names: dict[str, list[str]] = {}
         first: dict[int, str] = {}
+        adapters = adapter_parameters(model)
+        self.adapters: dict[str, tuple[nn.Module, str]] = {}
+        """PEFT adapter parameters (by module name): no pretrained directory holds them; they take PEFT's init."""
         for name, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in adapters:
+                self.adapters.setdefault(name, adapters[id(p)])
+                continue
             names.setdefault(first.setdefault(id(p), name), []).append(name)
         buffers = {n for n, _ in model.named_buffers()} & set(model.state_dict())
-        every = {alias for aliases in names.values() for alias in aliases} | buffers
+        # a PEFT-wrapped base weight (``q_proj.base_layer.weight``) is looked up by its checkpoint name
+        every = {checkpoint_name(alias) for aliases in names.values() for alias in aliases} | buffers
         self.prefix = name_prefix(set(entries), every)
         self.source: dict[str, str] = {}
         """Module name (the first name of a parameter; a buffer's name) -> file tensor name."""
@@ -135,10 +143,10 @@ class PretrainedSource:
             )  # fmt: skip
         shapes = {**{n: p for n, p in model.named_parameters()}, **dict(model.named_buffers())}
         for name, aliases in names.items():
-            found = next((by_module[a] for a in aliases if a in by_module), None)
+            found = next((by_module[checkpoint_name(a)] for a in aliases if checkpoint_name(a) in by_module), None)
             if found is None:
                 raise PretrainedError(f"init_from: {self.path} has no tensor for parameter {name} (looked for "
-                                      f"{name.removeprefix(self.prefix)!r})")  # fmt: skip
+                                      f"{checkpoint_name(name).removeprefix(self.prefix)!r})")  # fmt: skip
             self.source[name] = found
         for name in buffers:
             if name in by_module:

@@ -181,3 +181,43 @@ def test_validate_of_a_model_built_on_meta_streams_it_from_storage(tmp_path: Pat
     assert abs(got[0]["val_loss"] - expected[0]["val_loss"]) < 1e-5
     reads = run.strategy.engine.counters.table()[f"{HOST_LINK}/read"]  # type: ignore[attr-defined]
     assert reads["param"] > 0 and "master" not in reads  # streamed from storage, no optimizer state
+
+
+def test_lora_on_a_model_built_on_meta_takes_its_base_from_init_from(tmp_path: Path) -> None:
+    """The base read block by block from a sharded directory (PEFT's ``base_layer`` names mapped to the file's),
+    the adapters given PEFT's own init (B zero: before training the model is its base), then trained."""
+    torch.manual_seed(0)
+    source = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("llama", **SHAPE))
+    source.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    loader = token_batches(samples=8)
+
+    def build() -> LoRAModule:
+        module = LoRAModule.__new__(LoRAModule)
+        pl.LightningModule.__init__(module)
+        base = transformers.AutoModelForCausalLM.from_config(source.config)
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        module.model = peft.get_peft_model(base, lora)
+        return module
+
+    strategy = SmartInfinityStrategy(offload={"nvme_path": str(tmp_path / "state"), "subgroup_size": 4096,
+                                              "io_backend": "threads", "host_memory_budget": "0"},
+                                     update={"host_adam": "torch"}, init_from=tmp_path / "hf")  # fmt: skip
+    run = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=3, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     precision="32-true", limit_val_batches=4)  # fmt: skip
+    with run.init_module(empty_init=True):
+        ours = build()
+    assert ours.model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.is_meta
+    before = run.validate(ours, loader, verbose=False)[0]["val_loss"]
+    plain = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, limit_val_batches=4)
+    base_module = LoRAModule.__new__(LoRAModule)
+    pl.LightningModule.__init__(base_module)
+    base_module.model = source
+    assert abs(before - plain.validate(base_module, loader, verbose=False)[0]["val_loss"]) < 1e-5
+    run.fit(ours, token_batches())
+    trained = ours.model.base_model.model.state_dict()
+    for name, value in source.state_dict().items():
+        key = name.replace("q_proj.weight", "q_proj.base_layer.weight").replace("v_proj.weight",
+                                                                                 "v_proj.base_layer.weight")
+        assert torch.equal(trained[key], value), name
+    assert any(float(v.abs().sum()) > 0 for k, v in trained.items() if "lora_B" in k)  # the adapters trained
