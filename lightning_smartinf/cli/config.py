@@ -109,6 +109,27 @@ class ModelConfig(GPTConfig):
 
 
 @dataclass
+class PeftSettings:
+    """Adapters over a frozen base (``peft=lora``, with ``model=hf model.path=DIR``): PEFT's LoRA, the base's weights
+    streaming read-only from storage (docs/models.md)."""
+
+    kind: str = "none"
+    """none, or lora."""
+    r: int = 16
+    """LoRA rank."""
+    alpha: int = 32
+    """LoRA scaling numerator (the update is alpha / r x B A)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input."""
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Names of the linear layers that get adapters (the attention projections of Llama, Qwen, Mistral)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("none", "lora"):
+            raise ValueError(f"peft.kind={self.kind!r} is not one of none, lora")
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
@@ -118,6 +139,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    peft: PeftSettings = field(default_factory=PeftSettings)
     recipe_name: str = "gpt_tiny"
 
 

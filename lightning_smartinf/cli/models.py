@@ -44,19 +44,36 @@ class ModelSpec:
     tokenizer: Tokenizer
     init_from: str | None
     hf_config: Any = None
+    lora: bool = False
 
     def write_back(self, strategy: SmartInfinityStrategy, out: Path) -> Path:
         """The trained model as a ``save_pretrained`` directory: shards streamed from the engine's masters (one
-        block in memory), the config and the tokenizer beside them."""
+        block in memory), the config and the tokenizer beside them; with LoRA, the adapter as PEFT writes it."""
+        if self.lora:
+            return self._write_adapter(strategy, out)
         dtype = saved_dtype(self.hf_config)
         strategy.export(out, dtype=dtype, strip_prefix="model.")
         if strategy.is_global_zero:
             finish_directory(out, self.hf_config, dtype, self.tokenizer.source)
         return out
 
+    def _write_adapter(self, strategy: SmartInfinityStrategy, out: Path) -> Path:
+        """PEFT's adapter directory (adapter_config.json naming the base directory, adapter_model.safetensors),
+        from the engine's masters, which hold only the adapters; ``from_pretrained`` of it loads base and adapter."""
+        masters = strategy.consolidated_state_dict()
+        module = strategy.lightning_module
+        if strategy.is_global_zero and module is not None:
+            state = {name.removeprefix("model."): value for name, value in masters.items()}
+            peft_model: Any = module.model
+            peft_model.save_pretrained(out, state_dict=state)
+            finish_directory(out, None, "", self.tokenizer.source)
+        return out
+
 
 def choose_model(cfg: TrainConfig, explicit: frozenset[str] = frozenset()) -> ModelSpec:
     """The model and tokenizer ``cfg`` asks for, every mismatch between them an error before anything is written."""
+    if cfg.peft.kind != "none" and cfg.model.kind != "hf":
+        raise ConfigError(f"peft={cfg.peft.kind} adapts a Hugging Face model: add model=hf model.path=DIR")
     o = cfg.optim
     hyper: dict[str, Any] = {"lr": o.lr, "weight_decay": o.weight_decay, "betas": (o.betas[0], o.betas[1]),
              "warmup_steps": o.warmup_steps, "optimizer": o.name}  # fmt: skip
@@ -82,6 +99,12 @@ def choose_model(cfg: TrainConfig, explicit: frozenset[str] = frozenset()) -> Mo
 def _hf(cfg: TrainConfig, hyper: dict[str, Any]) -> ModelSpec:
     from lightning_smartinf.models.hf import HFCausalLM
 
+    lora: dict[str, Any] | None = None
+    if cfg.peft.kind == "lora":
+        if not cfg.model.path:
+            raise ConfigError("peft=lora trains adapters over pretrained weights: give model.path=DIR")
+        p = cfg.peft
+        lora = {"r": p.r, "alpha": p.alpha, "dropout": p.dropout, "target_modules": list(p.target_modules)}
     source = checkpoint_dir(cfg.model.path) if cfg.model.path else None
     config = load_config(source, cfg.model.config)
     if source is not None and cfg.model.config:
@@ -92,9 +115,10 @@ def _hf(cfg: TrainConfig, hyper: dict[str, Any]) -> ModelSpec:
     if context is not None and cfg.data.seq_len > context:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} is longer than the model's context, "
                           f"max_position_embeddings={context}")  # fmt: skip
-    log.info("model=hf: %s%s", describe(config), f", weights from {source}" if source else ", from scratch")
-    return ModelSpec(lambda: HFCausalLM(config, source=source, **hyper), tokenizer,
-                     str(source) if source else None, config)  # fmt: skip
+    log.info("model=hf: %s%s%s", describe(config), f", weights from {source}" if source else ", from scratch",
+             f", LoRA r={lora['r']} on {', '.join(lora['target_modules'])}" if lora else "")  # fmt: skip
+    return ModelSpec(lambda: HFCausalLM(config, source=source, lora=lora, **hyper), tokenizer,
+                     str(source) if source else None, config, lora is not None)  # fmt: skip
 
 
 def _hf_tokenizer(cfg: TrainConfig, source: Path | None) -> Tokenizer:

@@ -80,6 +80,22 @@ def build_model(config: Any) -> Any:
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
+def with_lora(model: Any, lora: dict[str, Any], source: Path | None) -> Any:
+    """``get_peft_model(model, LoraConfig(**lora))``: the base frozen, adapters on ``lora["target_modules"]``; a
+    target that matches no module is PEFT's error, on one line."""
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError("peft=lora needs PEFT, an optional extra: pip install 'lightning-smartinf[peft]'") from None
+    config = peft.LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+                             target_modules=list(lora["target_modules"]), task_type="CAUSAL_LM",
+                             base_model_name_or_path=str(source) if source else None)  # fmt: skip
+    try:
+        return peft.get_peft_model(model, config)
+    except ValueError as err:
+        raise ConfigError(f"peft.target_modules={list(lora['target_modules'])}: {' '.join(str(err).split())}") from None
+
+
 def saved_dtype(config: Any) -> str:
     """The dtype a fine-tuned directory is written in: the source's (``dtype`` in config.json), else bf16."""
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
@@ -89,9 +105,11 @@ def saved_dtype(config: Any) -> str:
 
 def finish_directory(out: Path, config: Any, dtype: str, tokenizer_dir: Path | None) -> None:
     """Make ``out`` (shards already written by the engine's export) a directory ``from_pretrained`` loads: the
-    config beside the weights, and the tokenizer's files copied from where the run took them."""
-    config.dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(dtype, torch.bfloat16)
-    config.save_pretrained(out)
+    config beside the weights (none for an adapter directory), and the tokenizer's files copied from where the run
+    took them."""
+    if config is not None:
+        config.dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(dtype, torch.bfloat16)
+        config.save_pretrained(out)
     if tokenizer_dir is None:
         return
     for name in TOKENIZER_FILES:

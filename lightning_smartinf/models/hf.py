@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lightning_smartinf.ecosystem.hf import build_model
+from lightning_smartinf.ecosystem.hf import build_model, with_lora
 from lightning_smartinf.models.loss import inputs, next_token_loss, tokens_in_batch
 from lightning_smartinf.models.optim import configure
 
@@ -24,14 +24,14 @@ class HFCausalLM(pl.LightningModule):
 
     def __init__(self, config: Any, lr: float = 3e-4, weight_decay: float = 0.1,
                  betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 0, optimizer: str = "adamw",
-                 source: Path | None = None) -> None:  # fmt: skip
+                 source: Path | None = None, lora: dict[str, Any] | None = None) -> None:  # fmt: skip
         super().__init__()
         self.save_hyperparameters({"config": config.to_dict(), "lr": lr, "weight_decay": weight_decay,
                                    "betas": tuple(betas), "warmup_steps": warmup_steps, "optimizer": optimizer,
-                                   "source": str(source) if source else None})  # fmt: skip
+                                   "source": str(source) if source else None, "lora": lora})  # fmt: skip
         model = build_model(config)
         model.config.use_cache = False  # training: no key/value cache per forward
-        self.model = model
+        self.model = with_lora(model, lora, source) if lora is not None else model
         self.lr, self.weight_decay, self.betas = lr, weight_decay, (betas[0], betas[1])
         self.warmup_steps, self.optimizer_name = warmup_steps, optimizer
 

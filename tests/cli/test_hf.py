@@ -222,3 +222,28 @@ def test_bad_data_fails_before_any_state_naming_the_file_and_line(made, tmp_path
 def test_without_transformers_model_hf_names_the_extra(made, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "transformers", None)
     _fails(tmp_path, r"pip install 'lightning-smartinf\[hf\]'", "model=hf", f"model.path={made['llama']}")
+
+
+def test_lora_from_the_command_line_writes_an_adapter_that_from_pretrained_loads(made, tmp_path: Path) -> None:
+    pytest.importorskip("peft")
+    cfg = compose_cfg(tmp_path, "model=hf", f"model.path={made['llama']}", "peft=lora", "peft.r=4",
+                      "peft.target_modules=[q_proj,v_proj]", f"data.path={made['instruct']}")  # fmt: skip
+    result = run(cfg, tmp_path / "run")
+    assert result is not None
+    traffic = result["summary"]["traffic_bytes"]["host/read"]  # type: ignore[index]
+    assert traffic["frozen"] > traffic["param"] > 0  # the base streams read-only; only the adapters train
+    out = Path(str(result["model"]))
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    tuned = transformers.AutoModelForCausalLM.from_pretrained(out)  # the base from model.path, then the adapter
+    base = transformers.AutoModelForCausalLM.from_pretrained(made["llama"]).state_dict()
+    state = tuned.state_dict()
+    assert torch.equal(state["model.layers.0.mlp.up_proj.weight"], base["model.layers.0.mlp.up_proj.weight"])
+    assert float(state["model.layers.1.self_attn.v_proj.lora_B.default.weight"].abs().sum()) > 0
+    assert not any("k_proj.lora" in k for k in state)
+
+
+def test_a_lora_target_that_matches_nothing_is_one_line_before_any_state(made, tmp_path: Path) -> None:
+    pytest.importorskip("peft")
+    _fails(tmp_path, r"peft.target_modules=\['qkv'\]: .*", "model=hf", f"model.path={made['llama']}", "peft=lora",
+           "peft.target_modules=[qkv]", f"data.path={made['text']}")  # fmt: skip
+    _fails(tmp_path, "peft=lora adapts a Hugging Face model", "peft=lora")
