@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 
 from lightning_smartinf.cli.config import TrainConfig
 from lightning_smartinf.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
@@ -117,8 +118,12 @@ def _hf(cfg: TrainConfig, hyper: dict[str, Any]) -> ModelSpec:
                           f"max_position_embeddings={context}")  # fmt: skip
     log.info("model=hf: %s%s%s", describe(config), f", weights from {source}" if source else ", from scratch",
              f", LoRA r={lora['r']} on {', '.join(lora['target_modules'])}" if lora else "")  # fmt: skip
-    return ModelSpec(lambda: HFCausalLM(config, source=source, lora=lora, **hyper), tokenizer,
-                     str(source) if source else None, config, lora is not None)  # fmt: skip
+    # a LoRA base trained in bf16 stays in the checkpoint's bf16: stored, streamed and read at 2 bytes a weight
+    base_dtype = torch.float32
+    if lora is not None and cfg.trainer.precision.startswith("bf16") and saved_dtype(config) == "bf16":
+        base_dtype = torch.bfloat16
+    return ModelSpec(lambda: HFCausalLM(config, source=source, lora=lora, base_dtype=base_dtype, **hyper),
+                     tokenizer, str(source) if source else None, config, lora is not None)  # fmt: skip
 
 
 def _hf_tokenizer(cfg: TrainConfig, source: Path | None) -> Tokenizer:

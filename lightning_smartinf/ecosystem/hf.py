@@ -74,10 +74,11 @@ def load_config(path: Path | None, overrides: dict[str, Any] | None) -> Any:
         raise ConfigError(f"model.config.model_type={kind!r}: {err}") from None
 
 
-def build_model(config: Any) -> Any:
-    """The causal LM ``config`` describes, with fp32 parameters (the engine's masters; 16-bit copies stream)."""
+def build_model(config: Any, dtype: torch.dtype = torch.float32) -> Any:
+    """The causal LM ``config`` describes, with parameters in ``dtype``: fp32 for training (the engine's masters;
+    16-bit copies stream), the checkpoint's 16-bit dtype for a frozen base (stored and streamed as it is)."""
     transformers = require_transformers("model=hf")
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 def with_lora(model: Any, lora: dict[str, Any], source: Path | None) -> Any:

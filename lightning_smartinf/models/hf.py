@@ -24,12 +24,13 @@ class HFCausalLM(pl.LightningModule):
 
     def __init__(self, config: Any, lr: float = 3e-4, weight_decay: float = 0.1,
                  betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 0, optimizer: str = "adamw",
-                 source: Path | None = None, lora: dict[str, Any] | None = None) -> None:  # fmt: skip
+                 source: Path | None = None, lora: dict[str, Any] | None = None,
+                 base_dtype: torch.dtype = torch.float32) -> None:  # fmt: skip
         super().__init__()
         self.save_hyperparameters({"config": config.to_dict(), "lr": lr, "weight_decay": weight_decay,
                                    "betas": tuple(betas), "warmup_steps": warmup_steps, "optimizer": optimizer,
                                    "source": str(source) if source else None, "lora": lora})  # fmt: skip
-        model = build_model(config)
+        model = build_model(config, base_dtype)
         model.config.use_cache = False  # training: no key/value cache per forward
         self.model = with_lora(model, lora, source) if lora is not None else model
         self.lr, self.weight_decay, self.betas = lr, weight_decay, (betas[0], betas[1])
