@@ -20,6 +20,8 @@ FORBIDDEN: dict[str, set[str]] = {
     "schedule": {"engine", "update", "compress", "checkpoint", "strategy", "precision"},
     "checkpoint": {"engine", "update", "compress", "schedule", "strategy", "precision"},
     "engine": {"strategy", "precision", "monitor", "timeline", "cli", "bench", "models", "data"},
+    "ecosystem": {"engine", "update", "compress", "schedule", "checkpoint", "storage", "config", "strategy",
+                  "precision", "monitor", "timeline", "cli", "bench", "models", "data", "processes", "meta"},
 }
 """For each layer, the parts of the package it must not import (those above it, and its siblings)."""
 
