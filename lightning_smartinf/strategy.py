@@ -373,14 +373,16 @@ class SmartInfinityStrategy(ProcessStrategy):
         return self.engine.counters.table() if self.engine else {}
 
     def export(self, out: str | Path, dtype: str = "fp32", strip_prefix: str = "",
-               max_shard_size: str | int = "2GB") -> list[Path]:  # fmt: skip
+               max_shard_size: str | int = "2GB", merge_adapters: bool = False) -> list[Path]:  # fmt: skip
         """Write the trained weights as safetensors, one block at a time from the engine's masters (bounded
         memory, whatever the model's size): a ``.safetensors`` file, or a directory in ``save_pretrained``'s
         layout (shards and an index). ``strip_prefix="model."`` names them as the HF model inside the module
-        (save its ``config.json`` beside them and ``from_pretrained`` loads the directory). Returns the files."""
+        (save its ``config.json`` beside them and ``from_pretrained`` loads the directory). ``merge_adapters``:
+        PEFT LoRA adapters merged into their base weights, block by block, named as ``merge_and_unload`` names the
+        merged model. Returns the files."""
         assert self.engine is not None, "the engine exists from setup until close()"
         return export_live(self.engine, Path(out), dtype, parse_size(max_shard_size), strip_prefix,
-                           write=self.is_global_zero)  # fmt: skip
+                           write=self.is_global_zero, merge_adapters=merge_adapters)  # fmt: skip
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter's fp32 master by name (reads all master state from storage)."""

@@ -123,6 +123,9 @@ class PeftSettings:
     """Dropout on the adapters' input."""
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     """Names of the linear layers that get adapters (the attention projections of Llama, Qwen, Mistral)."""
+    merge: bool = False
+    """Also write the merged model (adapters folded into the base, merge_and_unload's result) as a save_pretrained
+    directory, streamed block by block; ``model: PATH`` then names it, the adapter directory is written beside."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("none", "lora"):

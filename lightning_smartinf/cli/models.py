@@ -46,14 +46,18 @@ class ModelSpec:
     init_from: str | None
     hf_config: Any = None
     lora: bool = False
+    merge: bool = False
 
     def write_back(self, strategy: SmartInfinityStrategy, out: Path) -> Path:
         """The trained model as a ``save_pretrained`` directory: shards streamed from the engine's masters (one
-        block in memory), the config and the tokenizer beside them; with LoRA, the adapter as PEFT writes it."""
+        block in memory), the config and the tokenizer beside them. With LoRA, the adapter as PEFT writes it; with
+        ``peft.merge`` also the merged model at ``out`` (adapters folded in block by block), the adapter beside."""
         if self.lora:
-            return self._write_adapter(strategy, out)
+            adapter = self._write_adapter(strategy, out.with_name("adapter") if self.merge else out)
+            if not self.merge:
+                return adapter
         dtype = saved_dtype(self.hf_config)
-        strategy.export(out, dtype=dtype, strip_prefix="model.")
+        strategy.export(out, dtype=dtype, strip_prefix="model.", merge_adapters=self.merge)
         if strategy.is_global_zero:
             finish_directory(out, self.hf_config, dtype, self.tokenizer.source)
         return out
@@ -123,7 +127,8 @@ def _hf(cfg: TrainConfig, hyper: dict[str, Any]) -> ModelSpec:
     if lora is not None and cfg.trainer.precision.startswith("bf16") and saved_dtype(config) == "bf16":
         base_dtype = torch.bfloat16
     return ModelSpec(lambda: HFCausalLM(config, source=source, lora=lora, base_dtype=base_dtype, **hyper),
-                     tokenizer, str(source) if source else None, config, lora is not None)  # fmt: skip
+                     tokenizer, str(source) if source else None, config, lora is not None,
+                     lora is not None and cfg.peft.merge)  # fmt: skip
 
 
 def _hf_tokenizer(cfg: TrainConfig, source: Path | None) -> Tokenizer:

@@ -8,6 +8,7 @@ tuner layer's ``adapter_layer_names``), which no pretrained directory holds: the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -58,3 +59,47 @@ def initialize_adapters(model: nn.Module, layers: list[tuple[nn.Module, str]]) -
             )
         config = _peft_config(model, adapter)
         reset(adapter, getattr(config, "init_lora_weights", True))
+
+
+@dataclass(frozen=True)
+class Merge:
+    """One LoRA layer's merge: ``base += scaling x B @ A`` (transposed for a ``fan_in_fan_out`` layer)."""
+
+    base: str
+    lora_a: str
+    lora_b: str
+    scaling: float
+    transpose: bool
+
+
+def lora_merges(model: nn.Module) -> list[Merge]:
+    """Every LoRA layer of ``model`` with its adapters' parameter names, as ``merge_and_unload`` would merge them."""
+    merges = []
+    for name, layer in model.named_modules():
+        lora_a, lora_b = getattr(layer, "lora_A", None), getattr(layer, "lora_B", None)
+        if not isinstance(lora_a, nn.ModuleDict) or not isinstance(lora_b, nn.ModuleDict):
+            continue
+        for adapter in lora_a:
+            merges.append(Merge(f"{name}.base_layer.weight", f"{name}.lora_A.{adapter}.weight",
+                                f"{name}.lora_B.{adapter}.weight", float(layer.scaling[adapter]),
+                                bool(getattr(layer, "fan_in_fan_out", False))))  # fmt: skip
+    return merges
+
+
+def merged_name(name: str) -> str:
+    """A merged model's name for a parameter of a PEFT model: the base layer's own (``.base_layer.`` dropped) under
+    the base model's prefix (PEFT's ``base_model.model.`` dropped)."""
+    return checkpoint_name(name).replace("base_model.model.", "", 1)
+
+
+def merge_block(tensors: dict[str, Any], merges: list[Merge]) -> dict[str, Any]:
+    """One block's tensors with its LoRA adapters merged into their base weights and left out, renamed as the
+    merged model names them (``merge_and_unload`` semantics, computed in fp32)."""
+    out = dict(tensors)
+    for m in merges:
+        if m.base not in out:
+            continue
+        delta = out.pop(m.lora_b).float() @ out.pop(m.lora_a).float()  # (out, r) @ (r, in) -> (out, in)
+        base = out[m.base]
+        out[m.base] = (base.float() + m.scaling * (delta.T if m.transpose else delta)).to(base.dtype)
+    return {merged_name(name): value for name, value in out.items()}

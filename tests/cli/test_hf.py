@@ -247,3 +247,18 @@ def test_a_lora_target_that_matches_nothing_is_one_line_before_any_state(made, t
     _fails(tmp_path, r"peft.target_modules=\['qkv'\]: .*", "model=hf", f"model.path={made['llama']}", "peft=lora",
            "peft.target_modules=[qkv]", f"data.path={made['text']}")  # fmt: skip
     _fails(tmp_path, "peft=lora adapts a Hugging Face model", "peft=lora")
+
+
+def test_lora_with_merge_writes_the_merged_model_beside_the_adapter(made, tmp_path: Path) -> None:
+    pytest.importorskip("peft")
+    cfg = compose_cfg(tmp_path, "model=hf", f"model.path={made['llama']}", "peft=lora", "peft.r=4", "peft.merge=true",
+                      f"data.path={made['text']}")  # fmt: skip
+    result = run(cfg, tmp_path / "run")
+    assert result is not None and Path(str(result["model"])).name == "model"
+    merged = transformers.AutoModelForCausalLM.from_pretrained(result["model"])
+    assert not any("lora" in k for k in merged.state_dict())
+    with_adapter = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "adapter")
+    ids = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, with_adapter(input_ids=ids).logits, rtol=1e-4,
+                                   atol=1e-5)  # fmt: skip

@@ -115,16 +115,31 @@ def test_the_adapter_saves_as_peft_writes_it(tmp_path: Path) -> None:
         torch.testing.assert_close(loaded(input_ids=tokens).logits, ours.model(input_ids=tokens).logits)
 
 
-def test_a_merged_model_exports_streamed(tmp_path: Path) -> None:
-    """strategy.export writes base and adapters block by block; merging them afterwards gives the fine-tune."""
+def test_export_streams_base_and_adapters_and_merges_them(tmp_path: Path) -> None:
+    """strategy.export writes base and adapters block by block; with merge_adapters, the merged model as
+    merge_and_unload makes it, which from_pretrained loads."""
+    from safetensors.torch import load_file
+
     ours = LoRAModule("llama")
     run = fit(ours, smart(tmp_path, vertical=False))
     files = run.strategy.export(tmp_path / "export")  # type: ignore[attr-defined]
-    from safetensors.torch import load_file
-
     exported = {k: v for f in files for k, v in load_file(f).items()}
     for name, value in ours.state_dict().items():
         torch.testing.assert_close(exported[name], value, msg=name)
+    merged_dir = tmp_path / "merged"
+    run.strategy.export(merged_dir, strip_prefix="model.", merge_adapters=True)  # type: ignore[attr-defined]
+    tokens = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = ours.model(input_ids=tokens).logits
+    reference = ours.model.merge_and_unload().state_dict()
+    merged = load_file(merged_dir / "model.safetensors")
+    assert merged.keys() == reference.keys()
+    for name, value in reference.items():
+        torch.testing.assert_close(merged[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    ours.model.config.save_pretrained(merged_dir)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(merged_dir)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=tokens).logits, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_frozen_weights_changed_between_stages_are_refused(tmp_path: Path) -> None:
