@@ -99,7 +99,7 @@ class SmartInfinityMonitor(Callback):
             "storage_backend": engine.backend.name,
             "updater": engine.updater.name if engine.updater else None,
             "engine_host_buffers_MiB": engine.host_memory_bytes / 2**20,
-            "host_memory_placement": engine.placement.describe(engine.layout),
+            "host_memory_placement": engine.placement.describe(engine.layout, engine.frozen_layout),
             "compression": engine.compressor.summary() if engine.compressor is not None else None,
             "traffic_bytes": table,
             "traffic_bytes_per_rank": [r["table"] for r in ranks],

@@ -253,16 +253,20 @@ class OffloadEngine:
         self.params = ParamStreamer(self.layout, param_store, self.param_dtype, self.device, offload.prefetch,
                                     self.partition, disk.allocator if param_store is disk else None,
                                     self.overlapped, gather_group)  # fmt: skip
-        self.frozen = None
-        if self.frozen_dtype is not None:  # read only: nothing to wait for, a gather group of its own under DP
-            self.frozen = ParamStreamer(self.frozen_layout, param_store, self.frozen_dtype, self.device,
-                                        offload.prefetch, Partition(self.frozen_layout),
-                                        disk.allocator if param_store is disk else None, None,
-                                        dist.new_group() if self.layout.world > 1 else None, kind=FROZEN)  # fmt: skip
         # the stores a placement may split between RAM and disk are built first, empty of RAM names, so that
         # ``auto`` sees every buffer pool the engine allocates before it sizes the budget
         budget = self.cfg.host_memory_budget
         placing = budget == "auto" or parse_bytes("offload.host_memory_budget", budget) > 0
+        self.frozen = None
+        frozen_tier: TieredStore | None = None
+        if self.frozen_dtype is not None:  # read only: nothing to wait for, a gather group of its own under DP
+            frozen_store: TensorStore = param_store
+            if placing and param_store is disk:
+                frozen_store = frozen_tier = TieredStore(disk, HostStore(pin=pin), frozenset())
+            self.frozen = ParamStreamer(self.frozen_layout, frozen_store, self.frozen_dtype, self.device,
+                                        offload.prefetch, Partition(self.frozen_layout),
+                                        disk.allocator if param_store is disk else None, None,
+                                        dist.new_group() if self.layout.world > 1 else None, kind=FROZEN)  # fmt: skip
         host_update = self.rule is not None and update.backend == "host"
         state_tier = TieredStore(disk, HostStore(), frozenset()) if placing and host_update else None
         self.updater = None
@@ -280,17 +284,19 @@ class OffloadEngine:
         grad_allocator = None if isinstance(grad_store, HostStore) else disk.allocator  # any page-locked one serves
         self.grads = GradientAccumulator(self.layout, grad_store, offload.step_lookahead, grad_allocator)
         self._grad_flat = aligned_bytes(self.layout.max_block_numel * 4)
-        self.placement = self._place(grad_tier is not None, state_tier is not None)
+        self.placement = self._place(grad_tier is not None, state_tier is not None, frozen_tier is not None)
         if grad_tier is not None and self.placement.grads:
             grad_tier.host_keys = frozenset(sg.key for sg in self.layout.subgroups)
         if state_tier is not None:
             state_tier.host_keys = self.placement.state
+        if frozen_tier is not None:
+            frozen_tier.host_keys = self.placement.frozen
         self._check_host_memory(needed)
         self._initialize()
 
-    def _place(self, grads: bool, state: bool) -> HostPlacement:
-        """``offload.host_memory_budget``: what of the state lives in host memory (engine/placement.py); ``grads``
-        and ``state``: whether the gradients and the optimizer state may go there."""
+    def _place(self, grads: bool, state: bool, frozen: bool) -> HostPlacement:
+        """``offload.host_memory_budget``: what of the state lives in host memory (engine/placement.py); ``grads``,
+        ``state`` and ``frozen``: whether the gradients, the optimizer state and the frozen weights may go there."""
         setting = self.cfg.host_memory_budget
         if setting == "auto":
             available, reserved = host_available_bytes(), self._reserved_bytes()
@@ -302,9 +308,11 @@ class OffloadEngine:
         else:
             budget = parse_bytes("offload.host_memory_budget", setting)
         kinds = len(self.rule.states) if self.rule is not None else 0
-        placement = place(budget, self.layout, kinds, grads, state)
+        frozen_itemsize = torch.empty((), dtype=self.frozen_dtype).element_size() if self.frozen_dtype else 0
+        placement = place(budget, self.layout, kinds, grads, state, self.frozen_layout if frozen else None,
+                          frozen_itemsize)  # fmt: skip
         if budget:
-            log.info("smart_infinity %s", placement.describe(self.layout))
+            log.info("smart_infinity %s", placement.describe(self.layout, self.frozen_layout))
         return placement
 
     def _resident_bytes(self) -> int:

@@ -4,7 +4,10 @@ GreedySnake keeps in RAM whatever fits a budget, by value per byte. The fp32 gra
 they cross it twice per step (written in backward, read by the step), 8 B/param for 4 B/param of memory. Then the
 subgroups' master and optimizer state (Adam: 12 B/param of memory, 24 B/param of disk traffic per step saved),
 first subgroups first: the overlapped step updates in forward order, so the blocks the next forward needs first
-get the fastest updates. Whatever does not fit stays on storage; a budget of 0 keeps everything there.
+get the fastest updates. Then the streamed blocks' frozen weights (a LoRA base), first blocks first: read twice per
+iteration or more (forward and backward, per micro-batch horizontally), never written, in their own dtype: at least
+the same disk bytes saved per byte of memory. Whatever does not fit stays on storage; a budget of 0 keeps everything
+there.
 """
 
 from __future__ import annotations
@@ -24,14 +27,18 @@ class HostPlacement:
     """Subgroups (by key) whose master and optimizer state live in host memory."""
     nbytes: int
     """Host memory the placement takes."""
+    frozen: frozenset[str] = frozenset()
+    """Frozen-weight subgroups (by key, in the frozen layout) held in host memory."""
 
-    def describe(self, layout: Layout) -> str:
+    def describe(self, layout: Layout, frozen_layout: Layout | None = None) -> str:
         if not self.nbytes:
             return f"host memory budget {human_bytes(self.budget)}: everything on storage"
         total = max(len(layout.subgroups), 1)
-        return (f"host memory budget {human_bytes(self.budget)}: gradients in {'RAM' if self.grads else 'storage'}, "
-                f"master and optimizer state of {len(self.state)} of {total} subgroups in RAM; "
-                f"{human_bytes(self.nbytes)} placed")  # fmt: skip
+        text = (f"host memory budget {human_bytes(self.budget)}: gradients in {'RAM' if self.grads else 'storage'}, "
+                f"master and optimizer state of {len(self.state)} of {total} subgroups in RAM")  # fmt: skip
+        if frozen_layout is not None and frozen_layout.subgroups:
+            text += f", frozen weights of {len(self.frozen)} of {len(frozen_layout.subgroups)} subgroups in RAM"
+        return f"{text}; {human_bytes(self.nbytes)} placed"
 
 
 def auto_budget(available: int, ranks: int, reserved: int) -> int:
@@ -41,10 +48,11 @@ def auto_budget(available: int, ranks: int, reserved: int) -> int:
     return max(0, available // (2 * ranks) - reserved)
 
 
-def place(budget: int, layout: Layout, state_kinds: int, grads: bool, state: bool) -> HostPlacement:
+def place(budget: int, layout: Layout, state_kinds: int, grads: bool, state: bool,
+          frozen: Layout | None = None, frozen_itemsize: int = 0) -> HostPlacement:  # fmt: skip
     """Fill ``budget`` bytes: the fp32 gradients (where ``grads``: they would otherwise go to storage), then whole
     subgroups' state (``1 + state_kinds`` fp32 tensors each; where ``state``: the host update's state, the host's to
-    keep)."""
+    keep), then whole subgroups of the ``frozen`` layout (``frozen_itemsize`` bytes an element)."""
     grad_bytes = 4 * layout.local_numel
     left, in_ram, used = budget, False, 0
     if grads and grad_bytes <= left:
@@ -57,4 +65,12 @@ def place(budget: int, layout: Layout, state_kinds: int, grads: bool, state: boo
                 break
             keys.add(sg.key)
             left, used = left - nbytes, used + nbytes
-    return HostPlacement(budget, in_ram, frozenset(keys), used)
+    fixed: set[str] = set()
+    if frozen is not None and (len(keys) == len(layout.subgroups) or not state):  # the state first, all of it
+        for sg in frozen.subgroups:
+            nbytes = sg.numel * frozen_itemsize
+            if nbytes > left:
+                break
+            fixed.add(sg.key)
+            left, used = left - nbytes, used + nbytes
+    return HostPlacement(budget, in_ram, frozenset(keys), used, frozenset(fixed))

@@ -53,11 +53,11 @@ def fit(module: LoRAModule, strategy: Any, batch_size: int = 2, accumulate: int 
     return run
 
 
-def smart(tmp_path: Path, vertical: bool) -> SmartInfinityStrategy:
+def smart(tmp_path: Path, vertical: bool, budget: str = "0", update: str = "host") -> SmartInfinityStrategy:
     strategy = SmartInfinityStrategy(
         offload={"nvme_path": str(tmp_path / "state"), "subgroup_size": 4096, "io_backend": "threads",
-                 "host_memory_budget": "0"},
-        update={"host_adam": "torch"},
+                 "host_memory_budget": budget, **({"grads": "cpu"} if update == "smart" else {})},
+        update={"host_adam": "torch"} if update == "host" else {"backend": "smart", "devices": 2},
     )  # fmt: skip
     if vertical:
         strategy.schedule = ScheduleConfig("vertical", micro_batches=2)
@@ -101,6 +101,27 @@ def test_lora_equals_plain_lightning_with_the_base_on_storage(tmp_path: Path, ar
         else:
             assert torch.equal(value, start[name]), name  # the base, bit for bit as it started
     assert any(not torch.equal(v, start[k]) for k, v in plain.items() if "lora_" in k)
+
+
+@pytest.mark.parametrize("where", ["host memory budget", "update=smart"])
+def test_lora_with_the_base_in_the_budget_or_the_update_on_devices(tmp_path: Path, where: str) -> None:
+    """The frozen base placed in host memory by offload.host_memory_budget (no disk reads for it), or the adapters
+    updated by SmartUpdate's OpenCL kernels: the same training either way."""
+    reference = LoRAModule("llama")
+    fit(reference, "auto")
+    ours = LoRAModule("llama")
+    in_budget = where == "host memory budget"
+    run = fit(ours, smart(tmp_path, False, "64MB") if in_budget else smart(tmp_path, False, update="smart"))
+    engine = run.strategy.engine  # type: ignore[attr-defined]
+    reads = engine.counters.table()[f"{HOST_LINK}/read"]
+    if in_budget:
+        assert len(engine.placement.frozen) == len(engine.frozen_layout.subgroups) and FROZEN not in reads
+        assert "frozen weights of" in engine.placement.describe(engine.layout, engine.frozen_layout)
+    else:
+        assert reads[FROZEN] > 0
+    plain = reference.state_dict()
+    for name, value in ours.state_dict().items():
+        torch.testing.assert_close(value, plain[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_the_adapter_saves_as_peft_writes_it(tmp_path: Path) -> None:
