@@ -4,7 +4,8 @@ Per iteration of P parameters (P_s of them streamed), T tokens in M micro-batche
 
     storage      R = min(ssds x read, host link),  W = min(ssds x write, host link)   (RAID-0 behind one link)
     compute      c x P x T / (gpus x FLOP/s)        c = 6, or 8 where the block forward is recomputed
-    params       2 B x P_s read in forward and in backward: x M (horizontal) or x 1 (vertical)
+    params       2 B x P_s read in forward and in backward: x M (horizontal) or x 1 (vertical); a frozen base's
+                 F streamed parameters likewise, at their own itemsize, with no step (LoRA: P is the adapters)
     host step    12 B/param read, 12 + 2 B/param written (master, m, v; new 16-bit params), CPU Adam alongside
     smart step   8 B/param over the host link (fp32 gradient out, fp32 parameter back; SmartComp: ~0.06 + 4),
                  16 B read + 12 B written per param inside each device, P / k params per device
@@ -72,10 +73,23 @@ class Hardware:
 @dataclass
 class Job:
     params: float
+    """Trainable parameters: each has a gradient, fp32 master and optimizer state."""
     streamed: float
+    """Trainable parameters inside the streamed blocks."""
     tokens: float
     micro_batches: int
     hidden_bytes_per_token: float = 0.0
+    frozen: float = 0.0
+    """Frozen parameters inside the streamed blocks (a LoRA base): stored once, read with their block in forward and
+    backward, no gradient, no state, no update."""
+    frozen_resident: float = 0.0
+    """Frozen parameters outside the blocks (embeddings, head of a LoRA base): computed with, kept on the device."""
+    frozen_itemsize: int = 2
+
+    @property
+    def model_params(self) -> float:
+        """Every parameter the forward computes with."""
+        return self.params + self.frozen + self.frozen_resident
 
 
 @dataclass
@@ -99,10 +113,10 @@ def predict(system: str, job: Job, hw: Hardware, keep: float = 0.01, vertical: b
         return (r + w) / mixed if mixed else r / read + w / write
 
     flops = hw.gpus * hw.tflops * 1e12
-    compute = (6 if system == "a" else 8) * p * t / flops
+    compute = (6 if system == "a" else 8) * job.model_params * t / flops
     vertical = system in ("c", "d", "e") if vertical is None else vertical
     streamed = job.params if system == "a" else job.streamed  # ZeRO-3 swaps the embeddings too
-    param_bytes = 2 * 2 * streamed * (1 if vertical else m)
+    param_bytes = 2 * (2 * streamed + job.frozen_itemsize * job.frozen) * (1 if vertical else m)
     params_io = disk_time(param_bytes, 0.0)
     if system in ("a", "b", "c"):
         step_read, step_write = 12 * p, 14 * p
@@ -149,13 +163,16 @@ def memory_needs(job: Job, hw: Hardware, system: str, layers: int, subgroup: int
     SSDs (host update) or spread over the devices' (SmartUpdate)."""
     p = job.params
     block = job.streamed / max(layers, 1)
+    frozen_block = job.frozen * job.frozen_itemsize / max(layers, 1)
     sg = min(subgroup, block)
     vertical = system in ("c", "d", "e")
     checkpoints = job.hidden_bytes_per_token * job.tokens / (1 if vertical else job.micro_batches)
     needs = {
-        "device": 2 * (p - job.streamed) + 3 * 2 * block + checkpoints,
-        "host": 4 * p + 3 * 2 * block + 4 * sg * (4 + 3 * 3) + 4 * block,
-        "storage (host SSDs)": 2 * job.streamed + (12 * p if system in ("a", "b", "c") else 0),
+        "device": 2 * (p - job.streamed) + job.frozen_itemsize * job.frozen_resident
+        + 3 * (2 * block + frozen_block) + checkpoints,
+        "host": 4 * p + 3 * (2 * block + frozen_block) + 4 * sg * (4 + 3 * 3) + 4 * block,
+        "storage (host SSDs)": 2 * job.streamed + job.frozen_itemsize * job.frozen
+        + (12 * p if system in ("a", "b", "c") else 0),
     }
     if system in ("d", "e"):
         needs["storage (per device)"] = 12 * p / max(hw.devices, 1)
@@ -172,6 +189,6 @@ def describe(predictions: list[Prediction], job: Job) -> str:
         ratio = f"{base.seconds / x.seconds:.2f}x" if base else "-"
         lines.append(
             f"| ({x.system}) {NAMES[x.system]} | {x.seconds:.2f} | {job.tokens / x.seconds:,.0f} | {ratio} | "
-            f"{x.bottleneck} | {x.host_link_bytes / job.params:.1f} | {x.disk_bytes / GB:.1f} |"
+            f"{x.bottleneck} | {x.host_link_bytes / job.model_params:.1f} | {x.disk_bytes / GB:.1f} |"
         )
     return "\n".join(lines)

@@ -42,18 +42,28 @@ def job_of(model: dict[str, Any], seq: int, micro_batch: int, micro_batches: int
     return Job(layers * block + resident, layers * block, tokens, micro_batches, 2 * d * (layers + 1))
 
 
-def hf_job(model: dict[str, Any], seq: int, micro_batch: int, micro_batches: int) -> tuple[Job, int]:
-    """A Hugging Face architecture recipe's job, counted on the model built on meta (no weights), and its layers."""
-    from lightning_smartinf.ecosystem.hf import build_model, load_config
+def hf_job(model: dict[str, Any], seq: int, micro_batch: int, micro_batches: int,
+           lora: dict[str, Any] | None = None) -> tuple[Job, int]:  # fmt: skip
+    """A Hugging Face architecture recipe's job, counted on the model built on meta (no weights), and its layers;
+    with ``lora``, a bf16 base frozen under adapters (what trains, what only streams)."""
+    from lightning_smartinf.ecosystem.hf import build_model, load_config, with_lora
 
     config = load_config(None, model["config"])
     with torch.device("meta"):
-        built = build_model(config)
-    total = sum(p.numel() for p in built.parameters())
-    blocks = [m for m in built.modules() if isinstance(m, torch.nn.ModuleList)]
-    streamed = sum(p.numel() for p in blocks[0].parameters()) if blocks else total
+        built = build_model(config, torch.bfloat16 if lora else torch.float32)
+        if lora:
+            built = with_lora(built, lora, None)
+    blocks = [m for m in built.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1]
+    in_blocks = {id(p) for p in blocks[0].parameters()} if blocks else set()
+    count: dict[tuple[bool, bool], int] = {}
+    for p in built.parameters():
+        key = (p.requires_grad, id(p) in in_blocks)
+        count[key] = count.get(key, 0) + p.numel()
     layers, d = config.num_hidden_layers, config.hidden_size
-    return Job(total, streamed, seq * micro_batch * micro_batches, micro_batches, 2 * d * (layers + 1)), layers
+    job = Job(count.get((True, True), 0) + count.get((True, False), 0), count.get((True, True), 0),
+              seq * micro_batch * micro_batches, micro_batches, 2 * d * (layers + 1),
+              frozen=count.get((False, True), 0), frozen_resident=count.get((False, False), 0))  # fmt: skip
+    return job, layers
 
 
 def hardware_preset(name: str) -> Hardware:
@@ -180,12 +190,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compare", type=Path, help="a smartinf-bench benchmarks.json to compare against")
     parser.add_argument("--sweep-devices", type=int, help="predict SmartUpdate's speedup for 1..N devices")
     parser.add_argument("--plot", type=Path)
+    parser.add_argument("--lora-rank", type=int, help="an HF recipe with LoRA adapters of this rank over a frozen "
+                        "bf16 base (q/k/v/o projections): what trains and what only streams")  # fmt: skip
     args = parser.parse_args(argv)
     model = recipe_model(args.recipe, args.seq)
     if model.get("kind") == "hf":
         if args.layers:
             model["config"] = {**model["config"], "num_hidden_layers": args.layers}
-        job, layers = hf_job(model, args.seq, args.micro_batch, args.micro_batches)
+        lora = None
+        if args.lora_rank:
+            lora = {"r": args.lora_rank, "alpha": 2 * args.lora_rank, "dropout": 0.0,
+                    "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}  # fmt: skip
+        job, layers = hf_job(model, args.seq, args.micro_batch, args.micro_batches, lora)
     else:
         layers = model["n_layer"] = args.layers or model["n_layer"]
         job = job_of(model, args.seq, args.micro_batch, args.micro_batches)
@@ -196,8 +212,10 @@ def main(argv: list[str] | None = None) -> None:
     if overrides:
         typed = {k: type(getattr(hw, k))(v) if k in hw.__dict__ else v for k, v in overrides.items()}
         hw = Hardware.from_dict({**hw.__dict__, **typed})
-    print(f"{args.recipe}: {job.params / 1e9:.2f} B parameters, {job.tokens:,.0f} tokens per iteration in "
-          f"{job.micro_batches} micro-batches, on {hw.name}:")  # fmt: skip
+    frozen = (f" ({job.params / 1e6:.1f} M trainable adapters over a frozen base of "
+              f"{(job.frozen + job.frozen_resident) / 1e9:.2f} B)") if job.frozen else ""  # fmt: skip
+    print(f"{args.recipe}: {job.model_params / 1e9:.2f} B parameters{frozen}, {job.tokens:,.0f} tokens per iteration "
+          f"in {job.micro_batches} micro-batches, on {hw.name}:")  # fmt: skip
     print("  " + ", ".join(f"{k}={v}" for k, v in hw.__dict__.items() if k != "name"))
     systems = [s for s in SYSTEMS if hw.devices > 0 and hw.device_update > 0 or s in ("a", "b", "c")]
     predictions = [predict(s, job, hw) for s in systems]
@@ -206,7 +224,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nrecommended: ({best.system}) {NAMES[best.system]} ({best.seconds:.2f} s/iteration, bound by "
           f"{best.bottleneck})")  # fmt: skip
     settings = settings_for(best.system, hw, args.seq, args.micro_batch, args.micro_batches)
-    print(f"  settings: smartinf-train recipe={args.recipe} {settings}")
+    adapters = f" model.path=DIR peft=lora peft.r={args.lora_rank}" if args.lora_rank else ""
+    print(f"  settings: smartinf-train recipe={args.recipe}{adapters} {settings}")
     print("memory and disk needed per tier:")
     for tier, nbytes in memory_needs(job, hw, best.system, layers).items():
         print(f"  {tier}: {nbytes / GB:.1f} GB")

@@ -69,3 +69,16 @@ def test_plan_for_a_described_machine(tmp_path: Path) -> None:
     assert "| (d) + SmartUpdate |" in out and "recommended:" in out and "storage (per device)" in out
     assert "settings: smartinf-train recipe=gpt_2_7b offload.grads=cpu" in out
     assert (tmp_path / "sweep.png").is_file()
+
+
+def test_plan_of_an_architecture_recipe_with_lora_streams_the_frozen_base(capsys) -> None:
+    """llama3_70b counted on meta; with LoRA only the adapters have state, and the base's reads bound the step."""
+    from lightning_smartinf.cli.plan import main as plan_main
+
+    plan_main(["--recipe", "llama3_70b", "--hardware", "greedysnake_a100"])
+    full = capsys.readouterr().out
+    plan_main(["--recipe", "llama3_70b", "--hardware", "greedysnake_a100", "--lora-rank", "16"])
+    lora = capsys.readouterr().out
+    assert "llama3_70b: 70.55 B parameters" in full and "step_io" in full
+    assert "65.5 M trainable adapters over a frozen base of 70.55 B" in lora and "peft=lora peft.r=16" in lora
+    assert "| (c) + vertical + overlap |" in lora and "params_io" in lora
