@@ -257,3 +257,26 @@ def test_lora_on_a_model_built_on_meta_takes_its_base_from_init_from(tmp_path: P
                                                                                  "v_proj.base_layer.weight")
         assert torch.equal(trained[key], value), name
     assert any(float(v.abs().sum()) > 0 for k, v in trained.items() if "lora_B" in k)  # the adapters trained
+
+
+def test_adapters_over_a_directory_without_their_base_weight_name_it(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    source = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("llama", **SHAPE))
+    source.save_pretrained(tmp_path / "hf")
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    del weights["model.layers.1.self_attn.v_proj.weight"]
+    save_file(weights, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    strategy = SmartInfinityStrategy(offload={"nvme_path": str(tmp_path / "state"), "io_backend": "threads"},
+                                     update={"host_adam": "torch"}, init_from=tmp_path / "hf")  # fmt: skip
+    run = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    with run.init_module(empty_init=True):
+        module = LoRAModule.__new__(LoRAModule)
+        pl.LightningModule.__init__(module)
+        lora = peft.LoraConfig(r=4, target_modules=["v_proj"])
+        module.model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(source.config), lora)
+    with pytest.raises(ValueError, match=r"no tensor for parameter .*layers\.1\.self_attn\.v_proj\.base_layer\."
+                                         r"weight \(looked for 'model\.layers\.1\.self_attn\.v_proj\.weight'\)"):
+        run.fit(module, token_batches())
