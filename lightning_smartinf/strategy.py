@@ -106,6 +106,8 @@ class SmartInfinityStrategy(ProcessStrategy):
         """Checkpoints being written behind training (``offload.async_save``); waited for at teardown."""
         self._save_group: Any = None
         self._fitting = False
+        self._failed = False
+        """The stage ended in an exception (``on_exception``): its teardown reads nothing back from storage."""
         self.vertical: VerticalSchedule | ParkedVertical | None = None
         self.plan: Plan | None = None
         self._trainer: pl.Trainer | None = None
@@ -142,6 +144,7 @@ class SmartInfinityStrategy(ProcessStrategy):
         self.precision_plugin = precision
         self._trainer = trainer
         self._fitting = trainer.state.fn == TrainerFn.FITTING
+        self._failed = False
         if self._fitting and self.offload.async_save and self.is_distributed and self._save_group is None:
             self._save_group = dist.new_group(backend="gloo")  # the background saves' collectives, apart
         if self.engine is not None and self._fitting and self.engine.optimizer is None:
@@ -256,14 +259,20 @@ class SmartInfinityStrategy(ProcessStrategy):
         return loss
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        """A storage failure (an I/O error, wrong bytes read back) ends the stage: its teardown must not read the
+        weights back from that storage (the module gets meta tensors; the last checkpoint holds the state)."""
+        self._failed = self._failed or isinstance(exception, OSError)
+
+    @override
     def teardown(self) -> None:
         """End of a stage: the trained weights go back into the module (``offload.return_weights``, see
         ``engine/handback.py``); the engine stays, so validate/test/predict after fit reuse its state.
         ``close()`` ends it."""
         self._fitting = False
         self.saves.wait()
-        if self.engine is not None:
-            self.engine.weights.give(self.offload.return_weights)
+        if self.engine is not None:  # after a failure the storage may not serve the weights: meta tensors, loudly
+            self.engine.weights.give("meta" if self._failed else self.offload.return_weights)
         # Lightning's own teardown, less its two moves to the CPU (the module, the optimizer's state): the module's
         # parameters are where the hand-back put them (or meta), and the optimizer state lives in the engine.
         assert self.cluster_environment is not None and self.accelerator is not None

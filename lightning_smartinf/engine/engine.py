@@ -227,7 +227,14 @@ class OffloadEngine:
                               cfg.aio_queue_depth)  # fmt: skip
         backend = backend_for(directory, settings)
         self._backends.append(backend)
-        return FileStore(directory, backend, self.counters, link)
+        store = FileStore(directory, backend, self.counters, link, cfg.verify_io)
+        self._file_stores.append(store)
+        return store
+
+    def forget_written(self) -> None:
+        """State files were replaced outside the stores (a checkpoint restored): their write sums no longer hold."""
+        for store in self._file_stores:
+            store.forget_written()
 
     def _release_locks(self) -> None:
         for lock in self._locks:
@@ -237,6 +244,7 @@ class OffloadEngine:
     def _build(self, roots: list[Path], needed: list[int], update: UpdateConfig) -> None:
         offload = self.cfg
         self._backends: list[IOBackend] = []
+        self._file_stores: list[FileStore] = []
         stores = [
             self._open_store(root, nbytes, "offload.nvme_path" + (f"[{index}]" if len(roots) > 1 else ""), HOST_LINK)
             for index, (root, nbytes) in enumerate(zip(roots, needed, strict=True))

@@ -247,6 +247,7 @@ def load_engine_state(engine: OffloadEngine, manifest: Manifest, prefix: str, me
                     copies.append((saved, state_dir / kind / sg.key))
     with ThreadPoolExecutor(max_workers=COPY_THREADS, thread_name_prefix="smartinf-restore") as pool:
         list(pool.map(lambda pair: copy_file(pair[0], pair[1], replace=True), copies))
+    engine.forget_written()  # the files were replaced behind the stores' backs: their sums no longer hold
     compressor = engine.compressor
     if compressor is not None and compressor.has_state:
         compressor.load_state_dict(torch.load(root / RESIDUALS, weights_only=True))

@@ -7,16 +7,30 @@ counters are keyed by. ``FileStore`` keeps one file per name (one writer per fil
 
 from __future__ import annotations
 
+import logging
 import zlib
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
+from lightning_smartinf.errors import StorageError
 from lightning_smartinf.storage.aligned import Allocator, align_up, aligned_bytes
 from lightning_smartinf.storage.counters import READ, WRITE, TrafficCounters
-from lightning_smartinf.storage.io import IOBackend, PageLocked
+from lightning_smartinf.storage.io import IOBackend, PageLocked, bytes_view
+
+log = logging.getLogger(__name__)
+
+
+class CorruptReadError(StorageError):
+    """A file read back differs from what this run wrote to it (a disk or file system returning wrong bytes)."""
+
+
+def crc32(buffer: torch.Tensor, payload: int) -> int:
+    """CRC32 of the first ``payload`` bytes of a uint8 buffer (zlib releases the GIL while it sums)."""
+    return zlib.crc32(bytes_view(buffer[:payload]))
 
 
 def done_future() -> Future[None]:
@@ -41,14 +55,25 @@ class TensorStore(Protocol):
 
 
 class FileStore:
-    """One file per name under ``root/kind/key``, through an async O_DIRECT backend; traffic counted on ``link``."""
+    """One file per name under ``root/kind/key``, through an async O_DIRECT backend; traffic counted on ``link``.
 
-    def __init__(self, root: Path, backend: IOBackend, counters: TrafficCounters, link: str) -> None:
+    With ``verify`` (``offload.verify_io``), every write records the CRC32 of its payload and every later read of
+    that file in this run is checked against it, so a disk that returns wrong bytes (a flipped bit, a torn or lost
+    write) is caught when the data is used, not at the next resume. Reads and whole-file writes are idempotent: a
+    failed one (an I/O error, a CRC mismatch) is retried once, with a warning; a second failure is an error that
+    names the file. Files from an earlier run have no sum here (a resume checks its checkpoint's SHA-256 instead)."""
+
+    def __init__(self, root: Path, backend: IOBackend, counters: TrafficCounters, link: str,
+                 verify: bool = False) -> None:  # fmt: skip
         self.root = root
         self.backend = backend
         self.counters = counters
         self.link = link
+        self.verify = verify
         self._dirs: set[str] = set()
+        self._sums: dict[tuple[str, str], int] = {}
+        self.retries = 0
+        """Requests that failed once and succeeded when retried (each logged)."""
 
     def path(self, kind: str, key: str) -> Path:
         if kind not in self._dirs:
@@ -58,14 +83,62 @@ class FileStore:
 
     def read(self, kind: str, key: str, buffer: torch.Tensor, payload: int, urgent: bool = False) -> Future[None]:
         self.counters.add(self.link, kind, READ, payload)
-        return self.backend.read(self.path(kind, key), buffer[: align_up(payload)], urgent)
+        path, span = self.path(kind, key), buffer[: align_up(payload)]
+        if not self.verify:
+            return self.backend.read(path, span, urgent)
+        expected = self._sums.get((kind, key))
+
+        def check() -> None:
+            if expected is not None and (found := crc32(buffer, payload)) != expected:
+                raise CorruptReadError(
+                    f"reading {payload} bytes of {kind} {key} from {path}: the bytes read differ from those written "
+                    f"in this run (CRC32 {found:08x}, written {expected:08x}): the disk returned wrong data"
+                )
+
+        return self._with_retry(lambda: self.backend.read(path, span, urgent), check, f"reading {path}")
 
     def write(self, kind: str, key: str, buffer: torch.Tensor, payload: int) -> Future[None]:
         self.counters.add(self.link, kind, WRITE, payload)
-        return self.backend.write(self.path(kind, key), buffer[: align_up(payload)])
+        path, span = self.path(kind, key), buffer[: align_up(payload)]
+        if not self.verify:
+            return self.backend.write(path, span)
+        self._sums[(kind, key)] = crc32(buffer, payload)  # the buffer is final from here until the write is done
+        return self._with_retry(lambda: self.backend.write(path, span), lambda: None, f"writing {path}")
+
+    def _with_retry(self, submit: Callable[[], Future[None]], check: Callable[[], None], what: str) -> Future[None]:
+        """``submit()``'s request, then ``check()``; a failure of either is retried once (the request is
+        idempotent), with a warning. The returned future fails only if the retry fails too."""
+        outcome: Future[None] = Future()
+
+        def attempt(retried: bool) -> None:
+            def done(request: Future[None]) -> None:
+                err = request.exception()
+                if err is None:
+                    try:
+                        check()
+                    except CorruptReadError as mismatch:
+                        err = mismatch
+                if err is None:
+                    if retried:
+                        self.retries += 1
+                    outcome.set_result(None)
+                elif retried or not isinstance(err, OSError):
+                    outcome.set_exception(err)
+                else:
+                    log.warning("smart_infinity: %s failed (%s); retrying once", what, err)
+                    attempt(retried=True)
+
+            submit().add_done_callback(done)
+
+        attempt(retried=False)
+        return outcome
 
     def exists(self, kind: str, key: str) -> bool:
         return self.path(kind, key).exists()
+
+    def forget_written(self) -> None:
+        """Drop every recorded sum: the files were replaced outside this store (a checkpoint restored)."""
+        self._sums.clear()
 
     @property
     def roots(self) -> list[Path]:

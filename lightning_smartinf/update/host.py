@@ -126,22 +126,38 @@ class HostUpdater:
             queue.append((self._load(sg, first), grads.fetch(sg)))
             if len(queue) > self.lookahead:
                 break
-        while queue:
-            loaded, grad_future = queue.popleft()
-            nxt = next(upcoming, None)
-            if nxt is not None:
-                queue.append((self._load(nxt, first), grads.fetch(nxt)))
-            with trace.span(f"wait for {loaded.sg.key}'s state and gradient", "wait"):
-                for read in loaded.reads:
-                    read.result()
-                grad = grad_future.result()
-            with trace.span(f"update {loaded.sg.key}", "update", elements=loaded.sg.numel):
-                self._apply(loaded, grad, ctx)
-            grads.release(loaded.sg)
-            self._write_back(loaded, writes)
-            yield loaded.sg, loaded.tensor(MASTER)
+        current: _Loaded | None = None
+        try:
+            while queue:
+                current, grad_future = queue.popleft()
+                nxt = next(upcoming, None)
+                if nxt is not None:
+                    queue.append((self._load(nxt, first), grads.fetch(nxt)))
+                with trace.span(f"wait for {current.sg.key}'s state and gradient", "wait"):
+                    for read in current.reads:
+                        read.result()
+                    grad = grad_future.result()
+                with trace.span(f"update {current.sg.key}", "update", elements=current.sg.numel):
+                    self._apply(current, grad, ctx)
+                grads.release(current.sg)
+                loaded, current = current, None
+                self._write_back(loaded, writes)
+                yield loaded.sg, loaded.tensor(MASTER)
+        except BaseException:  # a failed read or update: give the buffers back once no request still fills them
+            for held in [current, *(item for item, _ in queue)]:
+                if held is not None:
+                    self._drop(held)
+            raise
         for write in writes:  # the step is durable (and write errors surface) before it returns
             write.result()
+
+    def _drop(self, loaded: _Loaded) -> None:
+        """After a failure: wait out ``loaded``'s reads (whatever their outcome), then release its pooled buffers."""
+        for read in loaded.reads:
+            read.exception()
+        if not loaded.in_place:
+            for raw in loaded.raw.values():
+                self.pool.release(raw)
 
     def state_directories(self) -> list[Path]:
         return self.store.roots

@@ -108,7 +108,7 @@ def test_auto_takes_half_the_available_memory_less_the_engines_own_shared_by_the
     assert reserved >= engine.host_memory_bytes > 0
     assert engine.ranks_per_host == 1 and engine.placement.budget == 32 * 2**20 - reserved
     engine.ranks_per_host = 2  # as for a second process on this host (trainer.devices=2)
-    assert engine._place(True, True).budget == 16 * 2**20 - reserved
+    assert engine._place(True, True, False).budget == 16 * 2**20 - reserved
 
 
 def test_the_default_budget_places_nothing_where_the_engine_needs_half_the_memory_for_itself(
