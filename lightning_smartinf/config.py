@@ -57,7 +57,7 @@ class OffloadConfig:
     check_free_space: bool = True
     """Refuse to start when nvme_path has less free space than the planned state."""
     verify_io: bool = True
-    """CRC32 of every state file written, checked when the run reads it back; a failed read or write (an I/O error,
+    """CRC-32C of every state file written, checked when the run reads it back; a failed read or write (an I/O error,
     wrong bytes) is retried once, then an error naming the file (storage/store.py). ``false`` saves the sums' CPU
     time."""
     async_save: bool = True
