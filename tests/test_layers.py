@@ -101,3 +101,37 @@ def test_only_the_engine_writes_its_state() -> None:
     """Callers configure the engine through its methods (configure_step, count_micro_batch, discard_gradients)."""
     wrong = [w for module, path in _modules() if _top(module) != "engine" for w in _engine_writes(path)]
     assert not wrong, wrong
+
+
+def test_the_layers_below_the_strategy_import_and_train_without_lightning() -> None:
+    """The engine is Lightning-free in fact: with ``lightning`` unimportable, every lower layer imports and an
+    engine trains a plain torch model one step."""
+    import subprocess
+    import sys
+
+    script = """
+import sys
+for name in ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning"):
+    sys.modules[name] = None
+import tempfile, torch
+from torch import nn
+import lightning_smartinf.storage.store, lightning_smartinf.update.host, lightning_smartinf.compress.topk
+import lightning_smartinf.schedule.vertical, lightning_smartinf.checkpoint.manifest, lightning_smartinf.ecosystem.hf
+from lightning_smartinf.config import OffloadConfig, UpdateConfig
+from lightning_smartinf.engine.engine import OffloadEngine
+
+model = nn.Sequential(nn.ModuleList([nn.Linear(8, 8) for _ in range(2)]))
+blocks = model[0]
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+with tempfile.TemporaryDirectory() as root:
+    engine = OffloadEngine(model, opt, OffloadConfig(nvme_path=root, io_backend="threads", host_memory_budget="0"),
+                           UpdateConfig(host_adam="torch"), torch.device("cpu"), torch.float32)
+    x = torch.randn(4, 8)
+    engine.backward(blocks[1](blocks[0](x)).square().mean())
+    assert engine.step().applied
+    engine.close()
+assert "lightning" not in [m.split(".")[0] for m, v in sys.modules.items() if v is not None]
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
