@@ -289,9 +289,7 @@ class SmartInfinityStrategy(ProcessStrategy):
         they never change, and a resume takes them from the model's init route again (``init_from``)."""
         module = self.lightning_module
         assert module is not None and self.engine is not None
-        engine = self.engine
-        owned = {id(slot.param) for layout in (engine.layout, engine.frozen_layout) for block in layout.blocks
-                 for slot in block.slots}  # fmt: skip
+        owned = {id(slot.param) for slot in self.engine.owned_slots}
         weights = {name for name, p in module.named_parameters(remove_duplicate=False) if id(p) in owned}
         return {k: v for k, v in module.state_dict().items() if k not in weights}
 

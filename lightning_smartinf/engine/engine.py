@@ -61,10 +61,13 @@ class StepResult:
 
 
 def planned_storage_bytes(
-    layout: Layout, rule: OptimizerRule | None, cfg: OffloadConfig, itemsize: int, state_here: bool
-) -> list[int]:
+    layout: Layout, rule: OptimizerRule | None, cfg: OffloadConfig, itemsize: int, state_here: bool,
+    frozen: Layout | None = None, frozen_itemsize: int = 0,
+) -> list[int]:  # fmt: skip
     """Bytes the files under each directory of ``nvme_path`` take (each padded to 4 KiB); ``state_here``: master,
-    state and gradients live here too (the host update), rather than in near-storage devices' directories."""
+    state and gradients live here too (the host update), rather than in near-storage devices' directories;
+    ``frozen``: the streamed blocks' frozen parameters, ``frozen_itemsize`` bytes an element, beside the 16-bit
+    ones."""
     totals = [0] * len(cfg.paths)
     for sg in layout.subgroups:
         fp32 = align_up(sg.numel * 4)
@@ -73,6 +76,8 @@ def planned_storage_bytes(
         streamed = not layout.blocks[sg.block].resident
         total += align_up(sg.numel * itemsize) if cfg.params == "nvme" and streamed else 0
         totals[stripe_of(sg.key, len(totals))] += total
+    for sg in frozen.subgroups if frozen is not None and cfg.params == "nvme" else ():
+        totals[stripe_of(sg.key, len(totals))] += align_up(sg.numel * frozen_itemsize)
     return totals
 
 
@@ -192,6 +197,7 @@ class OffloadEngine:
         fixed = [p for p in model.parameters() if not p.requires_grad]
         self.frozen_layout = build_layout(model, block_list, [fixed], offload.subgroup_size, rank, world, frozen=True)
         self.frozen_dtype = _frozen_dtype(self.frozen_layout)
+        self.frozen_itemsize = torch.empty((), dtype=self.frozen_dtype).element_size() if self.frozen_dtype else 0
         self.partition = Partition(self.layout)
         self.overlapped = OverlappedStep(len(self.layout.blocks))
         self.fence = StateFence()
@@ -200,11 +206,8 @@ class OffloadEngine:
 
         roots = [rank_path(path, rank, world) for path in offload.paths]
         host_update = update.backend == "host"
-        needed = planned_storage_bytes(self.layout, self.rule, offload, self.itemsize, host_update)
-        if offload.params == "nvme" and self.frozen_dtype is not None:
-            frozen_itemsize = torch.empty((), dtype=self.frozen_dtype).element_size()
-            for sg in self.frozen_layout.subgroups:
-                needed[stripe_of(sg.key, len(needed))] += align_up(sg.numel * frozen_itemsize)
+        needed = planned_storage_bytes(self.layout, self.rule, offload, self.itemsize, host_update,
+                                       self.frozen_layout, self.frozen_itemsize)  # fmt: skip
         self._locks: list[StateLock] = []
         try:
             self._build(roots, needed, update)
@@ -316,9 +319,8 @@ class OffloadEngine:
         else:
             budget = parse_bytes("offload.host_memory_budget", setting)
         kinds = len(self.rule.states) if self.rule is not None else 0
-        frozen_itemsize = torch.empty((), dtype=self.frozen_dtype).element_size() if self.frozen_dtype else 0
         placement = place(budget, self.layout, kinds, grads, state, self.frozen_layout if frozen else None,
-                          frozen_itemsize)  # fmt: skip
+                          self.frozen_itemsize)  # fmt: skip
         if budget:
             log.info("smart_infinity %s", placement.describe(self.layout, self.frozen_layout))
         return placement
@@ -329,10 +331,19 @@ class OffloadEngine:
         numel = self.layout.resident.numel
         return numel * (2 * self.itemsize + 4) if self.device.type == "cpu" else numel * 4
 
+    @property
+    def block_pairs(self) -> list[tuple[Block, Block]]:
+        """Each block of the layout with its twin in the frozen layout (same index: the same module)."""
+        return list(zip(self.layout.blocks, self.frozen_layout.blocks, strict=True))
+
+    @property
+    def owned_slots(self) -> list[ParamSlot]:
+        """Every parameter the engine owns, block by block: the trainable ones, then the block's frozen ones."""
+        return [slot for block, fixed in self.block_pairs for slot in block.slots + fixed.slots]
+
     def _working_bytes(self) -> int:
         """Set-up's working set: the largest block in its own dtype (frozen parameters too)."""
-        pairs = zip(self.layout.blocks, self.frozen_layout.blocks, strict=True)
-        return max((sum(s.nbytes for s in b.slots + f.slots) for b, f in pairs), default=0)
+        return max((sum(s.nbytes for s in b.slots + f.slots) for b, f in self.block_pairs), default=0)
 
     def _reserved_bytes(self) -> int:
         """Host memory the engine takes whatever the budget: its buffer pools, the resident set, set-up's working
@@ -388,8 +399,7 @@ class OffloadEngine:
         none (meta) or come from ``init_from``, then its master and 16-bit copies go to storage and its host
         tensors are freed, so set-up holds one block at a time whatever the model's size."""
         self.weights = WeightHandback(self)
-        owned = {id(slot.param) for layout in (self.layout, self.frozen_layout) for block in layout.blocks
-                 for slot in block.slots}  # fmt: skip
+        owned = {id(slot.param) for slot in self.owned_slots}
         frozen = [ParamSlot(n, p, 0, p.numel(), p.shape, p.dtype) for n, p in self.model.named_parameters()
                   if id(p) not in owned]  # fmt: skip
         self._share(self.materializer.materialize(frozen, None))
@@ -398,7 +408,7 @@ class OffloadEngine:
                 slot.param.data = slot.param.data.to(self.device)
         if self.materializer.pretrained is not None:
             self.materializer.pretrained.fill_buffers(self.model)
-        for block, fixed in zip(self.layout.blocks, self.frozen_layout.blocks, strict=True):
+        for block, fixed in self.block_pairs:
             self._share(self.materializer.materialize(block.slots + fixed.slots, block))
             if self.updater is not None:
                 self.updater.initialize(block.subgroups, self._initial_master)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lightning_smartinf.checkpoint.export import DTYPES, plan_tensors, with_aliases, write_tensors
-from lightning_smartinf.core import Block, ParamSlot
+from lightning_smartinf.core import Block
 from lightning_smartinf.ecosystem.adapters import Merge, lora_merges, merge_block, merged_name
 from lightning_smartinf.engine.snapshot import parameter_aliases
 from lightning_smartinf.errors import ConfigError
@@ -28,12 +28,11 @@ def export_live(engine: OffloadEngine, out: Path, dtype: str = "fp32", max_shard
     if dtype not in DTYPES:
         raise ConfigError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     target = DTYPES[dtype]
-    pairs = list(zip(engine.layout.blocks, engine.frozen_layout.blocks, strict=True))
-    slots = [slot for block, fixed in pairs for slot in block.slots + fixed.slots]
+    pairs, slots = engine.block_pairs, engine.owned_slots
     aliases = parameter_aliases(engine)
     owned = {slot.name for slot in slots} | set(aliases)
     extra = {k: v for k, v in engine.model.state_dict().items() if k not in owned}
-    merges = _merges(engine, slots) if merge_adapters else []
+    merges = _merges(engine) if merge_adapters else []
     adapters = {name for m in merges for name in (m.lora_a, m.lora_b)}
     rename = merged_name if merge_adapters else (lambda name: name)
     plan = plan_tensors(((rename(s.name), tuple(s.shape)) for s in slots if s.name not in adapters),
@@ -69,13 +68,12 @@ def _block_tensors(engine: OffloadEngine, block: Block, fixed: Block) -> dict[st
     return tensors
 
 
-def _merges(engine: OffloadEngine, slots: list[ParamSlot]) -> list[Merge]:
+def _merges(engine: OffloadEngine) -> list[Merge]:
     """The LoRA merges of the engine's model; each must lie within one streamed block."""
     merges = lora_merges(engine.model)
     if not merges:
         raise ConfigError("merge_adapters=True: the model holds no LoRA adapters to merge")
-    block_of = {s.name: b.index for layout in (engine.layout, engine.frozen_layout) for b in layout.blocks
-                for s in b.slots}  # fmt: skip
+    block_of = {s.name: b.index for b, f in engine.block_pairs for s in b.slots + f.slots}
     for m in merges:
         homes = {block_of.get(m.base), block_of.get(m.lora_a), block_of.get(m.lora_b)}
         if len(homes) != 1 or homes == {0} or None in homes:

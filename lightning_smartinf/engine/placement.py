@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_smartinf.core import Layout
+from lightning_smartinf.core import Layout, Subgroup
 from lightning_smartinf.storage.space import human_bytes
 
 
@@ -57,20 +57,25 @@ def place(budget: int, layout: Layout, state_kinds: int, grads: bool, state: boo
     left, in_ram, used = budget, False, 0
     if grads and grad_bytes <= left:
         in_ram, left, used = True, left - grad_bytes, grad_bytes
-    keys: set[str] = set()
+    keys: list[str] = []
     if state:
-        for sg in layout.subgroups:
-            nbytes = 4 * sg.numel * (1 + state_kinds)
-            if nbytes > left:
-                break
-            keys.add(sg.key)
-            left, used = left - nbytes, used + nbytes
-    fixed: set[str] = set()
+        keys, taken = _first_fitting(layout.subgroups, 4 * (1 + state_kinds), left)
+        left, used = left - taken, used + taken
+    fixed: list[str] = []
     if frozen is not None and (len(keys) == len(layout.subgroups) or not state):  # the state first, all of it
-        for sg in frozen.subgroups:
-            nbytes = sg.numel * frozen_itemsize
-            if nbytes > left:
-                break
-            fixed.add(sg.key)
-            left, used = left - nbytes, used + nbytes
+        fixed, taken = _first_fitting(frozen.subgroups, frozen_itemsize, left)
+        used += taken
     return HostPlacement(budget, in_ram, frozenset(keys), used, frozenset(fixed))
+
+
+def _first_fitting(subgroups: list[Subgroup], bytes_per_element: int, left: int) -> tuple[list[str], int]:
+    """The keys of the leading ``subgroups`` whose bytes fit in ``left`` together (up to the first that does not),
+    and those bytes."""
+    keys, used = [], 0
+    for sg in subgroups:
+        nbytes = bytes_per_element * sg.numel
+        if used + nbytes > left:
+            break
+        keys.append(sg.key)
+        used += nbytes
+    return keys, used
