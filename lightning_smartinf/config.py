@@ -224,11 +224,13 @@ class CompressionConfig:
 class ScheduleConfig:
     """Order in which blocks and micro-batches run."""
 
-    kind: str = "horizontal"
-    """``horizontal``: each micro-batch runs through the whole model (works with any module). ``vertical``: all
-    micro-batches through one block before the next (GreedySnake; any module, faster with vertical_pre/loss).
-    ``auto``: vertical, with micro_batches, overlap and checkpoint placement chosen by the roofline planner from
-    short measurements at the first batch (schedule/planner.py)."""
+    kind: str = "auto"
+    """``auto`` (the default): vertical, with micro-batches, overlap, kept graphs and checkpoint placement chosen by
+    the roofline planner from short measurements at the first batch (schedule/planner.py; the plan and its reasons
+    are logged); any module, manual optimization excepted (it runs horizontal). ``vertical``: all micro-batches
+    through one block before the next (GreedySnake), with the keys below as given. ``horizontal``: each batch runs
+    through the whole model (ZeRO-Infinity's order). Under ``auto`` and ``vertical``, ``accumulate_grad_batches=A``
+    runs each window of A batches as one vertical pass (schedule/window.py)."""
     micro_batches: int = 1
     """``vertical``: micro-batches the DataLoader batch is split into (the batch size must divide by it)."""
     checkpoint_host: float = 0.0

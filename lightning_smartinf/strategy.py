@@ -9,6 +9,7 @@ engine) and saves checkpoints as directories holding the offloaded state.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -43,16 +44,17 @@ from lightning_smartinf.config import (
 )
 from lightning_smartinf.engine.engine import OffloadEngine
 from lightning_smartinf.engine.export import export_live
-from lightning_smartinf.engine.planning import plan_schedule
+from lightning_smartinf.engine.planning import plan_parked, plan_schedule
 from lightning_smartinf.engine.snapshot import load_engine_state, take_snapshot, write_snapshot
 from lightning_smartinf.errors import ConfigError
 from lightning_smartinf.meta import meta_parameters
 from lightning_smartinf.monitor import SmartInfinityMonitor
 from lightning_smartinf.precision import SmartInfinityPrecision
 from lightning_smartinf.processes import ProcessStrategy
-from lightning_smartinf.schedule.parked import ParkedVertical
+from lightning_smartinf.schedule.parked import ParkedVertical, split_batch
 from lightning_smartinf.schedule.planner import Plan
-from lightning_smartinf.schedule.vertical import CheckpointTiers, VerticalSchedule, check_protocol, has_protocol
+from lightning_smartinf.schedule.vertical import CheckpointTiers, VerticalSchedule, has_protocol
+from lightning_smartinf.schedule.window import AccumulationWindow, Call, concat_batches
 from lightning_smartinf.storage.space import human_bytes
 
 log = logging.getLogger(__name__)
@@ -110,6 +112,11 @@ class SmartInfinityStrategy(ProcessStrategy):
         """The stage ended in an exception (``on_exception``): its teardown reads nothing back from storage."""
         self.vertical: VerticalSchedule | ParkedVertical | None = None
         self.plan: Plan | None = None
+        self.window: AccumulationWindow | None = None
+        """``accumulate_grad_batches`` > 1 under the vertical schedule: the window's batches run as one pass."""
+        self._kind = self.schedule.kind
+        self._split = 1
+        """Micro-batches each DataLoader batch is split into under the vertical schedule."""
         self._trainer: pl.Trainer | None = None
 
     @contextmanager
@@ -179,9 +186,7 @@ class SmartInfinityStrategy(ProcessStrategy):
                 self.engine.host_memory_bytes / 2**20,
             )  # fmt: skip
         precision.engine = self.engine
-        self.vertical = self._vertical_schedule(trainer, self.schedule) if self.schedule.kind == "vertical" else None
-        if self.schedule.kind == "auto":
-            check_protocol(self.lightning_module)
+        self._choose_schedule(trainer)
         callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
         if not any(isinstance(cb, SmartInfinityMonitor) for cb in callbacks):
             callbacks.append(SmartInfinityMonitor())
@@ -200,59 +205,100 @@ class SmartInfinityStrategy(ProcessStrategy):
                  "anew from the module's weights", changed[0], len(changed))  # fmt: skip
         self.close()
 
-    def _vertical_schedule(self, trainer: pl.Trainer, s: ScheduleConfig) -> VerticalSchedule | ParkedVertical:
+    def _choose_schedule(self, trainer: pl.Trainer) -> None:
+        """The schedule of this stage: ``auto`` (the default) is planned at the first training batch; with
+        ``accumulate_grad_batches`` > 1 a vertical schedule runs each window of batches as one pass."""
+        module = self.lightning_module
+        assert module is not None
+        self.vertical, self.window, self._kind = None, None, self.schedule.kind
+        if self._kind == "auto" and not module.automatic_optimization:
+            log.info("schedule=auto: manual optimization runs each training_step as written (horizontal)")
+            self._kind = "horizontal"
+        if self._kind == "vertical":
+            self.vertical = self._vertical_schedule(trainer, self.schedule)
+        if self._fitting and self._kind != "horizontal" and trainer.accumulate_grad_batches > 1:
+            self.window = AccumulationWindow(trainer.accumulate_grad_batches)
+
+    def _vertical_schedule(self, trainer: pl.Trainer, s: ScheduleConfig,
+                           keep_bytes: int | None = None) -> VerticalSchedule | ParkedVertical:  # fmt: skip
         """The explicit protocol's schedule where the module has ``vertical_pre``/``vertical_loss`` (the fast path:
-        checkpoints may go to host memory or storage), else its own training_step parked at every block."""
+        checkpoints may go to host memory or storage), else its own training_step parked at every block (its kept
+        graphs: the ``keep_activations`` share of the blocks, or as many as ``keep_bytes`` holds)."""
         assert self.engine is not None
-        if trainer.accumulate_grad_batches != 1:
-            raise ConfigError(
-                "schedule=vertical accumulates over schedule.micro_batches inside each batch: leave "
-                f"accumulate_grad_batches at 1 (got {trainer.accumulate_grad_batches})"
-            )
         self.engine.configure_step(overlap=s.overlap)
         if s.eager_update and (trainer.gradient_clip_val or self.engine.scaler is not None):
             raise ConfigError(
                 "schedule.eager_update starts block updates before backward ends, so it cannot honour "
                 "gradient_clip_val or fp16 loss scaling (both need the global gradient norm first): turn one off"
             )
+        self._split = s.micro_batches
+        most = s.micro_batches * trainer.accumulate_grad_batches  # micro-batches of one pass at most
         if not has_protocol(self.lightning_module):
-            return ParkedVertical(self.engine, s.micro_batches, s.eager_update)
-        tiers = CheckpointTiers(s.micro_batches, s.checkpoint_host, s.checkpoint_nvme, self.engine.disk,
-                                self.engine.counters, self.root_device)  # fmt: skip
-        return VerticalSchedule(self.engine, s.micro_batches, tiers, s.eager_update, s.keep_activations)
+            rounds = round(s.keep_activations * len(self.engine.layout.streamed)) if keep_bytes is None else sys.maxsize
+            return ParkedVertical(self.engine, most, s.eager_update, rounds, sys.maxsize if keep_bytes is None
+                                  else keep_bytes)  # fmt: skip
+        tiers = CheckpointTiers(most, s.checkpoint_host, s.checkpoint_nvme, self.engine.disk, self.engine.counters,
+                                self.root_device)  # fmt: skip
+        return VerticalSchedule(self.engine, most, tiers, s.eager_update, s.keep_activations)
 
-    def _auto_schedule(self, batch: torch.Tensor) -> VerticalSchedule | ParkedVertical:
-        """Plan the vertical schedule for this batch from short measurements of this machine."""
-        assert self.engine is not None and self.lightning_module is not None
+    def _auto_schedule(self, calls: list[Call]) -> VerticalSchedule | ParkedVertical:
+        """Plan the vertical schedule for this pass's batches from short measurements of this machine. A window
+        of accumulated batches keeps each batch as one micro-batch (the size the user chose to fit memory)."""
+        assert self.engine is not None and self.lightning_module is not None and self._trainer is not None
         module, context = self.lightning_module, self.precision_plugin.forward_context
-        measured = plan_schedule(self.engine, module.vertical_pre, module.vertical_loss, batch,  # type: ignore[arg-type]
-                                 context)
+        batch = concat_batches([c.args[0] for c in calls])
+        window = self.window is not None
+        if has_protocol(module):
+            measured = plan_schedule(self.engine, module.vertical_pre, module.vertical_loss, batch,  # type: ignore[arg-type]
+                                     context, [len(calls)] if window else None)  # fmt: skip
+        else:
+            measured = plan_parked(self.engine, batch, len(calls))
         chosen = self.broadcast(measured)  # rank 0's plan for every rank: one schedule, one result
-        log.info(chosen.describe())
+        for line in [chosen.describe(), *chosen.reasons()]:
+            log.info(line)
         self.plan = chosen
-        settings = replace(self.schedule, kind="vertical", micro_batches=chosen.micro_batches, overlap=chosen.overlap,
-                           checkpoint_host=chosen.checkpoint_host, checkpoint_nvme=chosen.checkpoint_nvme,
-                           keep_activations=chosen.keep_activations)
-        assert self._trainer is not None
-        return self._vertical_schedule(self._trainer, settings)
+        settings = replace(self.schedule, kind="vertical", micro_batches=1 if window else chosen.micro_batches,
+                           overlap=chosen.overlap, checkpoint_host=chosen.checkpoint_host,
+                           checkpoint_nvme=chosen.checkpoint_nvme, keep_activations=chosen.keep_activations)
+        return self._vertical_schedule(self._trainer, settings, None if has_protocol(module) else chosen.keep_bytes)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self.saves.check()  # a background save that failed stops training here, naming the checkpoint
-        if self.schedule.kind == "auto" and self.vertical is None:
-            self.vertical = self._auto_schedule(args[0])
+        calls = [Call(args, kwargs)]
+        if self.window is not None:
+            self.window.hold(args, kwargs)
+            assert self._trainer is not None
+            if self._trainer.fit_loop._should_accumulate():  # Lightning's own test: no optimizer step after this one
+                return self._held()
+            calls = self.window.take()
+        if self._kind == "auto" and self.vertical is None:
+            self.vertical = self._auto_schedule(calls)
         if self.vertical is None:
             return super().training_step(*args, **kwargs)
-        assert self.engine is not None and self.lightning_module is not None
+        return self._run_vertical(calls)
+
+    def _held(self) -> torch.Tensor:
+        """A batch held for the end of its window: no loss yet (a placeholder zero) and no backward of its own."""
+        assert isinstance(self.precision_plugin, SmartInfinityPrecision)
+        self.precision_plugin.backward_done = True
+        return torch.zeros((), device=self.root_device)
+
+    def _run_vertical(self, calls: list[Call]) -> torch.Tensor:
+        """One vertical pass (forward, backward) over ``calls``' batches, each split into ``_split`` micro-batches;
+        each loss is divided as Lightning divides it under accumulation."""
+        assert self.engine is not None and self.lightning_module is not None and self.vertical is not None
         precision = self.precision_plugin
         assert isinstance(precision, SmartInfinityPrecision)
         module = self.lightning_module
+        divisor = self._split * (self.window.accumulate if self.window is not None else 1)
+        micros = [(micro, c) for c in calls for micro in split_batch(c.args[0], self._split)]
         if isinstance(self.vertical, ParkedVertical):
-            loss = self.vertical.run(lambda micro: module.training_step(micro, *args[1:], **kwargs), args[0],
-                                     precision.train_step_context)  # fmt: skip
+            steps = [lambda mb=mb, c=c: module.training_step(mb, *c.args[1:], **c.kwargs) for mb, c in micros]
+            loss = self.vertical.run_calls(steps, precision.train_step_context, divisor)
         else:
             with precision.train_step_context():
-                loss = self.vertical.run(module, args[0])  # type: ignore[arg-type]
+                loss = self.vertical.run_micros(module, [mb for mb, _ in micros], divisor)  # type: ignore[arg-type]
             module.log("train_loss", loss, prog_bar=True)
         precision.backward_done = True  # Lightning's backward call that follows has nothing left to do
         self.engine.count_micro_batch()

@@ -13,7 +13,8 @@ import psutil
 import torch
 
 from lightning_smartinf.schedule.kept import activation_bytes
-from lightning_smartinf.schedule.planner import Plan, Workload, measure_machine, plan
+from lightning_smartinf.schedule.planner import Plan, Workload, measure_machine, plan, predict
+from lightning_smartinf.schedule.window import tokens_of
 from lightning_smartinf.update.optimizers import torch_update
 from lightning_smartinf.update.smart import SmartUpdater
 
@@ -23,10 +24,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def workload_of(engine: OffloadEngine, batch: torch.Tensor, checkpoint_bytes_per_sample: int,
+def workload_of(engine: OffloadEngine, batch: Any, checkpoint_bytes_per_sample: int,
                 kept_block_bytes: int = 0, resident_forward_s: float = 0.0) -> Workload:  # fmt: skip
-    """Bytes and tokens of one iteration on ``batch`` (a (b, t+1) token tensor or any (b, ...) tensor). The step's
-    disk bytes leave out what ``offload.host_memory_budget`` (or ``offload.grads=cpu``) placed in host memory."""
+    """Bytes and tokens of one iteration on ``batch`` (a (b, t+1) token tensor, any (b, ...) tensor, or a dict of
+    them). The step's disk bytes leave out what ``offload.host_memory_budget`` (or ``offload.grads=cpu``) placed in
+    host memory."""
     params = engine.layout.num_params
     streamed = sum(b.numel for b in engine.layout.streamed) * engine.itemsize
     states = len(engine.rule.states) if engine.rule else 0
@@ -40,9 +42,13 @@ def workload_of(engine: OffloadEngine, batch: torch.Tensor, checkpoint_bytes_per
         on_disk = local - sum(sg.numel for sg in engine.layout.subgroups if sg.key in engine.placement.state)
         step_read = grad_read + (1 + states) * 4 * on_disk
         step_write = (1 + states) * 4 * on_disk + params_write
-    tokens = batch.shape[0] * max(batch.shape[1] - 1, 1) if batch.dim() > 1 else batch.shape[0]
+    if isinstance(batch, torch.Tensor):
+        sequences = batch.shape[0]
+        tokens = sequences * max(batch.shape[1] - 1, 1) if batch.dim() > 1 else sequences
+    else:
+        sequences, tokens = tokens_of(batch)
     resident = engine.layout.resident.numel if resident_forward_s else 0
-    return Workload(params, streamed, step_read, step_write, tokens, batch.shape[0], checkpoint_bytes_per_sample,
+    return Workload(params, streamed, step_read, step_write, tokens, sequences, checkpoint_bytes_per_sample,
                     len(engine.layout.streamed), kept_block_bytes, resident, resident_forward_s)  # fmt: skip
 
 
@@ -132,9 +138,11 @@ def resident_forward_seconds(vertical_pre: Callable[[torch.Tensor], torch.Tensor
 
 def plan_schedule(engine: OffloadEngine, vertical_pre: Callable[[torch.Tensor], torch.Tensor],
                   vertical_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], batch: torch.Tensor,
-                  forward_context: Callable[[], AbstractContextManager[Any]]) -> Plan:  # fmt: skip
+                  forward_context: Callable[[], AbstractContextManager[Any]],
+                  choices: list[int] | None = None) -> Plan:  # fmt: skip
     """``schedule=auto``: the vertical schedule for ``batch``, planned from short measurements of this machine, of
-    the model's own blocks on the batch's hidden states and of its resident layers."""
+    the model's own blocks on the batch's hidden states and of its resident layers (``choices``: the micro-batch
+    counts allowed; default the divisors of the batch)."""
     with torch.no_grad(), forward_context():
         hidden = vertical_pre(batch)
         flops = block_flops(engine, hidden)
@@ -149,4 +157,17 @@ def plan_schedule(engine: OffloadEngine, vertical_pre: Callable[[torch.Tensor], 
     log.info("schedule=auto: the model's blocks run at %.3g TFLOP/s here (a 2048^3 matmul: %.3g); the forward of "
              "its resident layers and loss takes %.3g s per batch", flops / 1e12, machine.flops / 1e12,
              resident_s)  # fmt: skip
-    return plan(work, dataclasses.replace(machine, flops=min(flops, machine.flops)))
+    return plan(work, dataclasses.replace(machine, flops=min(flops, machine.flops)), choices=choices)
+
+
+def plan_parked(engine: OffloadEngine, batch: Any, micro_batches: int) -> Plan:
+    """``schedule=auto`` for a module without ``vertical_pre``/``vertical_loss`` (a Hugging Face or litgpt model):
+    its blocks run only from inside its training_step, so compute is estimated at the matmul rate, and its kept
+    graphs are sized as they run, within the memory the host budget leaves (``Plan.keep_bytes``)."""
+    work = workload_of(engine, batch, 0)
+    machine = measure_machine(engine.device, engine.root, engine.backend, update_rate(engine), engine.param_dtype,
+                              memory_budget(engine.device), memory_budget(torch.device("cpu")))  # fmt: skip
+    keep_bytes = activation_memory(engine)
+    parts = predict(work, machine, True, micro_batches, 1.0, 1.0 if keep_bytes else 0.0)
+    overlap = 1.0 if parts["step"] else 0.0  # never slower: each block waits only for its own update
+    return Plan(micro_batches, overlap, 0.0, 0.0, parts["total"], parts, keep_bytes=keep_bytes)

@@ -28,21 +28,24 @@ class _ParamView:
     position: int
 
 
-def parameter_references(params: Sequence[torch.Tensor]) -> torch.autograd.graph.saved_tensors_hooks:
+def parameter_references(params: Sequence[torch.Tensor],
+                         sizes: dict[int, int] | None = None) -> torch.autograd.graph.saved_tensors_hooks:  # fmt: skip
     """Saved-tensor hooks for one forward of a block whose parameters ``params`` are views of a few buffers (as the
     engine fetches them: the trainable ones in one, the frozen ones in another); the backward must run while the
-    block is fetched again."""
+    block is fetched again. ``sizes``, if given, gets the bytes of every other saved storage (what the kept graph
+    costs in memory), by storage."""
     anchors: dict[int, tuple[int, torch.dtype, int]] = {}  # storage -> (index of its first param, dtype, offset)
     for i, p in enumerate(params):
         if p.data.numel():
             anchors.setdefault(p.data.untyped_storage().data_ptr(), (i, p.dtype, int(p.data.storage_offset())))
-    if not anchors:
-        return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
 
     def pack(tensor: torch.Tensor) -> Any:
-        found = anchors.get(tensor.untyped_storage().data_ptr())
+        storage = tensor.untyped_storage()
+        found = anchors.get(storage.data_ptr())
         if found is not None and tensor.dtype == found[1]:
             return _ParamView(found[0], tensor.size(), tensor.stride(), int(tensor.storage_offset()) - found[2])
+        if sizes is not None and found is None:
+            sizes[storage.data_ptr()] = storage.nbytes()
         return tensor
 
     def unpack(saved: Any) -> torch.Tensor:

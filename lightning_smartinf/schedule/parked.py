@@ -12,6 +12,11 @@ Backward is explicit, block by block from the last: a block's outputs reach the 
 the loss's backward stops at the last block's outputs; then each block is fetched once, recomputed for every
 micro-batch under the RNG and autocast state of its forward, and backpropagated from its outputs' gradients; the
 gradients of its inputs flow on into whatever produced them (an earlier block's outputs or the resident layers).
+
+Kept graphs (GreedySnake): while ``keep_bytes`` lasts, a block runs for its micro-batches with autograd on and its
+graph is kept for backward instead of recomputed (a quarter less compute for it); the parameters it saved are kept
+as references and re-read when the block is fetched for backward (``kept.py``). A round whose graphs would overrun
+what is left is dropped and recomputed as usual.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from lightning_smartinf.schedule.calls import (
     set_route,
     training_call,
 )
+from lightning_smartinf.schedule.kept import parameter_references
 
 STRUCTURE_HELP = (
     "schedule=vertical runs the module's training_step once per micro-batch and each streamed block for all of them "
@@ -61,6 +67,8 @@ class ParkedEngine(Protocol):
     def begin_eager_step(self) -> None: ...
 
     def collect_resident_grads(self) -> None: ...
+
+    def block_parameters(self, index: int) -> list[torch.nn.Parameter]: ...
 
 
 def split_batch(batch: Any, micro_batches: int) -> list[Any]:
@@ -111,6 +119,8 @@ class _Record:
     outputs: list[torch.Tensor]
     handback: Any
     """The output as the thread gets it: the block's result with its tensors replaced by ``outputs``."""
+    kept: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+    """A kept graph: the detached inputs it starts from and its outputs (None: recompute in backward)."""
 
 
 @dataclass
@@ -132,12 +142,21 @@ class _Worker:
 
 class ParkedVertical:
     """Runs one iteration of ``step`` (the module's training_step on a micro-batch) block by block; returns the mean
-    loss. ``eager``: each block's update starts when its backward is done (``engine.begin_eager_step``)."""
+    loss. ``eager``: each block's update starts when its backward is done (``engine.begin_eager_step``).
+    ``keep_rounds`` / ``keep_bytes``: how many block calls (over all micro-batches) may keep their forward graphs
+    per iteration, and the memory those graphs may take (either 0: every block recomputes)."""
 
-    def __init__(self, engine: ParkedEngine, micro_batches: int, eager: bool = False) -> None:
+    def __init__(self, engine: ParkedEngine, micro_batches: int, eager: bool = False, keep_rounds: int = 0,
+                 keep_bytes: int = 0) -> None:  # fmt: skip
         self.engine, self.micro_batches, self.eager = engine, micro_batches, eager
+        self.keep_rounds, self.keep_bytes = keep_rounds, keep_bytes
         self._reports: queue.Queue[tuple[str, int, Any]] = queue.Queue()
         self._local = threading.local()
+        self._keep_left = 0
+        self._round_bytes = 0
+        """What the last kept round's graphs took: the estimate for the next (the blocks are alike)."""
+        self.kept_rounds = 0
+        """Rounds (block calls over all micro-batches) of the last iteration whose graphs were kept."""
 
     # -- the threads' side ------------------------------------------------------------------------------------------
     def call_block(self, index: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -179,9 +198,18 @@ class ParkedVertical:
         """``step(micro_batch)`` returns a loss (or a dict with ``"loss"``); ``context`` is entered on each thread
         around it (the precision plugin's autocast, which is per thread)."""
         micros = split_batch(batch, self.micro_batches)
-        workers = [_Worker(m) for m in range(self.micro_batches)]
-        for worker, micro in zip(workers, micros, strict=True):
-            worker.thread = threading.Thread(target=self._body, args=(worker, lambda mb=micro: step(mb), context),
+        return self.run_calls([lambda mb=micro: step(mb) for micro in micros], context, self.micro_batches)
+
+    def run_calls(
+        self, steps: Sequence[Callable[[], Any]], context: Callable[[], AbstractContextManager[Any]], divisor: int
+    ) -> torch.Tensor:
+        """One iteration over ``steps`` (one per micro-batch, each returning its loss), every loss divided by
+        ``divisor`` (Lightning divides by ``accumulate_grad_batches`` even in a short last window); returns the
+        sum of the divided losses."""
+        workers = [_Worker(m) for m in range(len(steps))]
+        self._keep_left, self.kept_rounds = self.keep_bytes, 0
+        for worker, step in zip(workers, steps, strict=True):
+            worker.thread = threading.Thread(target=self._body, args=(worker, step, context),
                                              name=f"smartinf-micro{worker.micro}", daemon=True)  # fmt: skip
             worker.thread.start()
         try:
@@ -192,7 +220,7 @@ class ParkedVertical:
         for worker in workers:
             assert worker.thread is not None
             worker.thread.join()
-        return self._backward(rounds, losses)
+        return self._backward(rounds, losses, divisor)
 
     def _resume(self, worker: _Worker, message: Any) -> tuple[str, Any]:
         """Hand ``message`` to one thread and wait until it parks again, finishes or fails."""
@@ -234,21 +262,42 @@ class ParkedVertical:
         return rounds, [self._loss_of(payload) for _, payload in states]
 
     def _run_round(self, position: int, parked: list[_Parked]) -> _Round:
-        """Run one block (fetched once) for every parked micro-batch, in snake order."""
+        """Run one block (fetched once) for every parked micro-batch, in snake order; its graphs are kept while the
+        budget lasts (the last kept round's size is the estimate)."""
         engine, index = self.engine, parked[0].index
         this = _Round(index)
+        keep = (all(p.grad for p in parked) and self.kept_rounds < self.keep_rounds and self._keep_left > 0
+                and self._round_bytes <= self._keep_left)  # fmt: skip
+        sizes: dict[int, int] = {}
         engine.enter_block(index, backward=False)
         try:
-            for m in snake(self.micro_batches, position):
+            for m in snake(len(parked), position):
                 p = parked[m]
                 enabled, dtype = p.autocast
-                with torch.no_grad(), torch.autocast(engine.device.type, dtype=dtype, enabled=enabled):
+                with torch.autocast(engine.device.type, dtype=dtype, enabled=enabled):
                     state = RecomputeState(engine.device)
-                    result = flatten(call(p.fn, p.inputs, p.inputs.tensors), f"the output of block {index}")
+                    kept: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+                    if keep:
+                        inputs = [x.detach().requires_grad_(x.requires_grad) for x in p.inputs.tensors]
+                        with torch.enable_grad(), parameter_references(engine.block_parameters(index), sizes):
+                            result = flatten(call(p.fn, p.inputs, inputs), f"the output of block {index}")
+                        kept = (inputs, result.tensors)
+                    else:
+                        with torch.no_grad():
+                            result = flatten(call(p.fn, p.inputs, p.inputs.tensors), f"the output of block {index}")
                 leaves = [t.detach().requires_grad_() if p.grad and differentiable(t) else t for t in result.tensors]
-                this.records[m] = _Record(p, state, leaves, result.rebuild(leaves))
+                this.records[m] = _Record(p, state, leaves, result.rebuild(leaves), kept)
         finally:
             engine.exit_block(index, backward=False)
+        if keep:
+            self._round_bytes = sum(sizes.values())
+            if self._round_bytes > self._keep_left:  # over the budget: recompute this round after all
+                for record in this.records.values():
+                    record.kept = None
+                self._keep_left = 0
+            else:
+                self._keep_left -= self._round_bytes
+                self.kept_rounds += 1
         return this
 
     @staticmethod
@@ -261,12 +310,12 @@ class ParkedVertical:
             )
         return loss
 
-    def _backward(self, rounds: list[_Round], losses: list[torch.Tensor]) -> torch.Tensor:
-        engine, n = self.engine, self.micro_batches
+    def _backward(self, rounds: list[_Round], losses: list[torch.Tensor], divisor: int) -> torch.Tensor:
+        engine, n = self.engine, len(losses)
         total = torch.zeros((), device=engine.device)
         for loss in losses:  # down to the last block's outputs (leaves) and into the resident layers after it
-            engine.scale_loss(loss / n).backward()
-            total = total + loss.detach() / n
+            engine.scale_loss(loss / divisor).backward()
+            total = total + loss.detach() / divisor
         if self.eager:
             engine.begin_eager_step()
         for position in reversed(range(len(rounds))):
@@ -291,7 +340,11 @@ class ParkedVertical:
         if not pairs:
             return
         inputs = record.call.inputs
-        tensors, outputs = recompute(record.call.fn, inputs, inputs.tensors, record.state)
+        if record.kept is not None:  # straight through the graph kept in forward
+            tensors, outputs = record.kept
+            record.kept = None
+        else:
+            tensors, outputs = recompute(record.call.fn, inputs, inputs.tensors, record.state)
         by_id = {id(o): i for i, o in enumerate(record.outputs)}
         recomputed = [(outputs[by_id[id(o)]], g) for o, g in pairs]
         recomputed = [(o, g) for o, g in recomputed if o.requires_grad]  # not for a block frozen with frozen inputs

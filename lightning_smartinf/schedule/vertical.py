@@ -122,8 +122,12 @@ class VerticalSchedule:
         """Blocks (0-based) whose forward graph is kept for backward instead of recomputed (``kept.py``)."""
 
     def run(self, module: VerticalModule, batch: Any) -> torch.Tensor:
-        engine, blocks = self.engine, len(self.engine.block_forwards)
-        micros = split_batch(batch, self.micro_batches)
+        return self.run_micros(module, split_batch(batch, self.micro_batches), self.micro_batches)
+
+    def run_micros(self, module: VerticalModule, micros: list[Any], divisor: int) -> torch.Tensor:
+        """One iteration over ``micros`` (at most ``micro_batches`` of them), each loss divided by ``divisor``;
+        returns the sum of the divided losses."""
+        engine, blocks, n = self.engine, len(self.engine.block_forwards), len(micros)
         with trace.span("embed", "compute"):
             embedded = [module.vertical_pre(mb) for mb in micros]  # keeps the resident layers' graphs (boundary 0)
         for m, hidden in enumerate(embedded):
@@ -133,7 +137,7 @@ class VerticalSchedule:
         with torch.no_grad():
             for b in range(blocks):
                 engine.enter_block(b + 1, backward=False)
-                for m in snake(self.micro_batches, b):
+                for m in snake(n, b):
                     x = self.tiers.get(b, m, keep=b not in self.keep)
                     if b in self.keep:
                         x = x.detach().requires_grad_(True)
@@ -145,12 +149,12 @@ class VerticalSchedule:
                     self.tiers.put(b + 1, m, engine.block_forwards[b](x))
                 engine.exit_block(b + 1, backward=False)
         # head and loss per micro-batch; their gradients flow back into the blocks' last boundary
-        grads: list[torch.Tensor | None] = [None] * self.micro_batches
+        grads: list[torch.Tensor | None] = [None] * n
         total = torch.zeros((), device=engine.device)
-        for m in range(self.micro_batches):
+        for m in range(n):
             with trace.span("head and loss", "compute", micro_batch=m):
                 hidden = self.tiers.get(blocks, m).requires_grad_(True)
-                loss = module.vertical_loss(hidden, micros[m]) / self.micro_batches
+                loss = module.vertical_loss(hidden, micros[m]) / divisor
             with trace.span("head backward", "compute", micro_batch=m):
                 engine.scale_loss(loss).backward()
             grads[m], total = hidden.grad, total + loss.detach()
@@ -158,7 +162,7 @@ class VerticalSchedule:
             engine.begin_eager_step()
         for b in reversed(range(blocks)):
             engine.enter_block(b + 1, backward=True)
-            for m in snake(self.micro_batches, b + 1):  # continue the snake from where forward turned
+            for m in snake(n, b + 1):  # continue the snake from where forward turned
                 if (b, m) in graphs:
                     x, out = graphs.pop((b, m))
                 else:

@@ -25,6 +25,7 @@ def strategy(path: Path, schedule: dict[str, Any], **update: Any) -> SmartInfini
 def run(path: Path, micro_batches: int, schedule: dict[str, Any], clip: float | None, precision: Any = "32-true",
         **update: Any) -> Any:  # fmt: skip
     """5 steps with a global batch of micro_batches x 2 sequences, vertical or horizontal (accumulating)."""
+    schedule = schedule or {"kind": "horizontal"}
     vertical = schedule.get("kind") == "vertical"
     how = {"plugins": [precision]} if isinstance(precision, MixedPrecision) else {"precision": precision}
     trainer = fit(
@@ -122,12 +123,6 @@ def test_module_without_the_protocol_trains_parked(tmp_path: Path) -> None:
 def test_batch_must_split_into_micro_batches(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="does not split into schedule.micro_batches=3"):
         fit(make_module(), strategy(tmp_path, {"kind": "vertical", "micro_batches": 3}), max_steps=1)
-
-
-def test_accumulation_is_the_schedules_job(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="leave accumulate_grad_batches at 1"):
-        fit(make_module(), strategy(tmp_path, {"kind": "vertical", "micro_batches": 2}), max_steps=1,
-            accumulate_grad_batches=2)  # fmt: skip
 
 
 def test_all_four_components_combine_in_mixed_precision(tmp_path: Path) -> None:
