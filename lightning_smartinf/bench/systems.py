@@ -1,6 +1,8 @@
 """The systems ``smartinf-bench`` compares, and the DeepSpeed ZeRO-Infinity configuration it runs as the baseline.
 
 (a) DeepSpeed ZeRO-Infinity: the real engine, ZeRO-3, parameters and optimizer state on NVMe, DeepSpeedCPUAdam.
+(s) smart_infinity as a user runs it: every setting at its default but the state directory and the host memory
+    budget, micro-batches the Lightning way (``accumulate_grad_batches``).
 (b) smart_infinity, horizontal schedule, host update: the same data flow as (a), our engine (gradients in host
     memory like DeepSpeed's; params and optimizer state on disk).
 (c) + vertical schedule, optimizer-step overlap and kept activations (no recompute) (GreedySnake).
@@ -13,9 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SYSTEMS = ("a", "b", "c", "d", "e")
+SYSTEMS = ("a", "s", "b", "c", "d", "e")
 NAMES = {
     "a": "DeepSpeed ZeRO-Infinity",
+    "s": "smart_infinity, defaults",
     "b": "smart_infinity horizontal",
     "c": "+ vertical + overlap",
     "d": "+ SmartUpdate",
@@ -43,8 +46,12 @@ class Workload:
     keep_activations: float = 1.0
     """(c)-(e): ``schedule.keep_activations``, the share of blocks whose backward needs no recompute."""
     host_memory_budget: str = "auto"
-    """(b)-(e): ``offload.host_memory_budget`` (optimizer state in RAM; their gradients are in RAM anyway), ``auto``
+    """(s)-(e): ``offload.host_memory_budget`` (optimizer state in RAM; their gradients are in RAM anyway), ``auto``
     as the engine's default; give a size to compare with DeepSpeed at a host memory of your choosing."""
+    family: str = "gpt"
+    """``gpt``: the shipped GPT (its vertical protocol); ``llama``: a transformers Llama of the same shape (hidden
+    size, layers, heads; MLP width 8/3 of the hidden size, so a block holds as many parameters), trained through
+    its own forward."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -95,11 +102,14 @@ def deepspeed_config(w: Workload, nvme_path: str) -> dict[str, Any]:
 
 
 def strategy_settings(system: str, w: Workload, nvme_path: str) -> dict[str, Any]:
-    """The SmartInfinityStrategy keywords of systems (b)-(e)."""
+    """The SmartInfinityStrategy keywords of systems (s)-(e)."""
+    if system == "s":
+        return {"offload": {"nvme_path": nvme_path, "host_memory_budget": w.host_memory_budget}}
     settings: dict[str, Any] = {  # fp32 gradients accumulate in host memory, as DeepSpeed's do
         "offload": {"nvme_path": nvme_path, "subgroup_size": w.subgroup_size, "grads": "cpu",
                     "host_memory_budget": w.host_memory_budget},
         "update": {"backend": "host"},
+        "schedule": {"kind": "horizontal"},
     }
     if system in ("c", "d", "e"):
         settings["schedule"] = {"kind": "vertical", "micro_batches": w.micro_batches, "overlap": 1.0,

@@ -3,7 +3,8 @@
 A fresh process per run keeps DeepSpeed's global state, the distributed group, the page cache pressure and the
 peak-memory reading of one system from leaking into another's. Every system is timed the same way: wall time
 between consecutive optimizer steps after the warm-up, and the disk's own byte counters (``/proc/diskstats``) over
-the same steps. ``compute`` is not a system but the bound's compute term, measured the same way.
+the same steps. ``compute`` is not a system but the bound's compute term, measured the same way, with the update
+of the whole model timed alone beside it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,37 @@ import torch.nn.functional as F
 from lightning_smartinf.bench.systems import Workload, deepspeed_config, strategy_settings
 from lightning_smartinf.models.gpt import GPT, GPTConfig, GPTModule
 from lightning_smartinf.ops import use_environment_extensions_dir
+
+
+def llama_config(w: Workload) -> Any:
+    """A transformers Llama of the workload's GPT shape: the same hidden size, layers and heads, an MLP 8/3 as wide
+    (rounded to 64) so that a block holds as many parameters as a GPT block."""
+    from transformers import LlamaConfig
+
+    d = w.model["n_embd"]
+    return LlamaConfig(vocab_size=w.model["vocab_size"], hidden_size=d, intermediate_size=round(8 * d / 3 / 64) * 64,
+                       num_hidden_layers=w.model["n_layer"], num_attention_heads=w.model["n_head"],
+                       max_position_embeddings=max(w.seq_len, 16), tie_word_embeddings=False)  # fmt: skip
+
+
+class _Logits(torch.nn.Module):
+    """A transformers causal LM as ``tokens -> logits``, as GPT is called."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, use_cache=False).logits  # type: ignore[no-any-return]
+
+
+def build_model(w: Workload) -> torch.nn.Module:
+    """The workload's model, called ``model(tokens) -> logits``."""
+    if w.family == "llama":
+        from transformers import LlamaForCausalLM
+
+        return _Logits(LlamaForCausalLM(llama_config(w)))
+    return GPT(GPTConfig(**w.model))
 
 
 def disk_of(path: Path) -> str | None:
@@ -77,7 +109,7 @@ def run_deepspeed(w: Workload, disk: str | None) -> dict[str, Any]:
     config = deepspeed_config(w, w.nvme_path)
     torch.manual_seed(0)
     with deepspeed.zero.Init(config_dict_or_path=config):
-        model = GPT(GPTConfig(**w.model))
+        model = build_model(w)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     params = sum(p.ds_numel for p in model.parameters())  # type: ignore[attr-defined]
     vocab = w.model["vocab_size"]
@@ -105,13 +137,18 @@ def run_smart_infinity(system: str, w: Workload, disk: str | None) -> dict[str, 
             self.samples = [sample(disk)]
 
         def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-            if not trainer.strategy.engine.micro_batches:  # type: ignore[attr-defined]
+            if trainer.global_step == len(self.samples):  # an optimizer step ended with this batch
                 self.samples.append(sample(disk))
 
     torch.manual_seed(0)
-    module = GPTModule(GPTConfig(**w.model), lr=1e-4)
+    if w.family == "llama":
+        from lightning_smartinf.models.hf import HFCausalLM
+
+        module: pl.LightningModule = HFCausalLM(llama_config(w), lr=1e-4)
+    else:
+        module = GPTModule(GPTConfig(**w.model), lr=1e-4)
     settings = strategy_settings(system, w, w.nvme_path)
-    vertical = "schedule" in settings
+    vertical = settings.get("schedule", {}).get("kind") == "vertical"  # (s): micro-batches the Lightning way
     batch = w.micro_batch * (w.micro_batches if vertical else 1)
     steps = w.warmup + w.steps
     data = torch.randint(0, w.model["vocab_size"], (w.micro_batch * w.micro_batches * steps, w.seq_len + 1))
@@ -138,9 +175,29 @@ def run_smart_infinity(system: str, w: Workload, disk: str | None) -> dict[str, 
     return summarize(stamps.samples, w.warmup, w, extra)
 
 
+def update_seconds(model: torch.nn.Module) -> float:
+    """One AdamW update of every parameter, fp32 masters and state in memory, with the host update's kernel
+    (DeepSpeed's CPU Adam, as the engine's default; torch's where it does not load): the second of two steps."""
+    params = [torch.nn.Parameter(p.detach().float().cpu().clone()) for p in model.parameters()]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    try:
+        use_environment_extensions_dir()
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        optimizer: torch.optim.Optimizer = DeepSpeedCPUAdam(params, lr=1e-4, adamw_mode=True)
+    except Exception:  # noqa: BLE001 - the op did not build here: torch's AdamW stands in
+        optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    optimizer.step()  # the first allocates the state
+    start = time.perf_counter()
+    optimizer.step()
+    return time.perf_counter() - start
+
+
 def run_compute(w: Workload) -> dict[str, Any]:
     """The bound's compute term: plain PyTorch forward and backward of one optimizer step's micro-batches, the
-    model in memory, nothing recomputed, no I/O and no optimizer (the work every system must do at the least).
+    model in memory, nothing recomputed, no I/O and no optimizer (the work every system must do at the least);
+    and, apart, one update of the model (on a CPU device the same cores run both, so the bound adds them).
     With 16-bit precision the weights are 16-bit already: autocast over fp32 weights would also cast every weight
     in every micro-batch's forward, work a system that keeps 16-bit copies does not do (12-19% of this step on
     GPT-350M shapes here), and the bound would be that much too loose."""
@@ -148,7 +205,7 @@ def run_compute(w: Workload) -> dict[str, Any]:
     device = torch.device(w.accelerator)
     dtypes = {"bf16": torch.bfloat16, "16": torch.float16}
     dtype = next((d for prefix, d in dtypes.items() if w.precision.startswith(prefix)), None)
-    model = GPT(GPTConfig(**w.model)).to(device, dtype=dtype)
+    model = build_model(w).to(device, dtype=dtype)
     vocab = w.model["vocab_size"]
     data = torch.randint(0, vocab, (w.micro_batch, w.seq_len + 1), device=device)
     times = []
@@ -161,7 +218,8 @@ def run_compute(w: Workload) -> dict[str, Any]:
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return {"seconds_per_step": statistics.median(times[w.warmup :]), "step_seconds": times[w.warmup :]}
+    return {"seconds_per_step": statistics.median(times[w.warmup :]), "step_seconds": times[w.warmup :],
+            "update_seconds": update_seconds(model)}  # fmt: skip
 
 
 def main() -> None:

@@ -7,8 +7,9 @@ a Markdown table, a PNG and the raw JSON, plus the exact DeepSpeed config it ran
     smartinf-bench --full --out docs/bench     # GPT-350M shapes
     smartinf-bench --recipe gpt_760m --seq 512 --micro-batches 8 --systems a b c
 
-Systems: (a) DeepSpeed ZeRO-Infinity (ZeRO-3, params + optimizer on NVMe, DeepSpeedCPUAdam); (b) smart_infinity,
-horizontal, host update; (c) + vertical schedule and step overlap; (d) + SmartUpdate on ``--devices`` near-storage
+Systems: (a) DeepSpeed ZeRO-Infinity (ZeRO-3, params + optimizer on NVMe, DeepSpeedCPUAdam); (s) smart_infinity
+with every setting at its default (micro-batches as accumulate_grad_batches); (b) smart_infinity, horizontal, host
+update; (c) + vertical schedule and step overlap; (d) + SmartUpdate on ``--devices`` near-storage
 devices; (e) + SmartComp (top-k 1%, error feedback; with ``--catch-up`` also compression.catch_up). See
 ``bench/systems.py``.
 """
@@ -76,10 +77,12 @@ def roofline(system: str, r: dict[str, Any], w: Workload, m: Machine) -> float:
     return max(compute, disk)
 
 
-def bound(r: dict[str, Any], compute: float, m: Machine) -> float:
-    """The bound from this run's own measurements: max(the measured forward and backward of the step's
-    micro-batches, nothing recomputed; the system's disk bytes at the measured read and write speeds)."""
-    return max(compute, r["disk_read_per_step"] / m.disk_read + r["disk_write_per_step"] / m.disk_write)
+def bound(r: dict[str, Any], compute: float, m: Machine) -> tuple[float, str]:
+    """The bound from this run's own measurements, and which term binds: max(the measured forward and backward of
+    the step's micro-batches, nothing recomputed, plus the update measured alone where the same CPU cores run it;
+    the system's disk bytes at the measured read and write speeds)."""
+    disk = r["disk_read_per_step"] / m.disk_read + r["disk_write_per_step"] / m.disk_write
+    return (compute, "compute") if compute >= disk else (disk, "disk")
 
 
 def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -101,26 +104,28 @@ def describe_machine(m: Machine) -> str:
             f"torch {torch.__version__}")  # fmt: skip
 
 
-def report(results: dict[str, dict[str, Any]], compute: float, w: Workload, m: Machine,
-           args: argparse.Namespace) -> str:
+def report(results: dict[str, dict[str, Any]], compute: float, update: float, w: Workload, m: Machine,
+           args: argparse.Namespace) -> str:  # fmt: skip
     base = results.get("a")
     params = next(iter(results.values()))["params"]
     lines = [
-        f"GPT {w.model['n_layer']}x{w.model['n_embd']} ({params / 1e6:.0f}M parameters), {w.precision}, global "
+        f"{'Llama (transformers)' if w.family == 'llama' else 'GPT'} {w.model['n_layer']}x{w.model['n_embd']} "
+        f"({params / 1e6:.0f}M parameters), {w.precision}, global "
         f"batch {w.micro_batches} x {w.micro_batch} x {w.seq_len} tokens, state on one disk; median of "
         f"{args.reps} interleaved repetitions of {w.steps} timed steps after {w.warmup} warm-up.",
         f"Machine: {describe_machine(m)}.",
         f"Command: `smartinf-bench {' '.join(sys.argv[1:])}`",
         f"Compute (forward and backward of the step's micro-batches, plain PyTorch, model in memory, weights in the "
-        f"training dtype): {compute:.2f} s.",
+        f"training dtype{', plus one update of the model measured alone: the same CPU cores run it' if update else ''}"
+        f"): {compute:.2f} s{f' ({compute - update:.2f} + {update:.2f})' if update else ''}.",
         "",
         "| system | s/step | tokens/s | vs (a) | host link B/param | device links B/param | disk GB/step "
-        "(read+write) | peak host RSS GiB | roofline s | of roofline | bound s | x bound |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "(read+write) | peak host RSS GiB | roofline s | of roofline | bound s | binds | x bound |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for system, r in results.items():
         peak = roofline(system, r, w, m)
-        measured = bound(r, compute, m)
+        measured, binds = bound(r, compute, m)
         host = r["host_link_per_step"]
         host = (r["disk_read_per_step"] + r["disk_write_per_step"]) if host is None else host
         device = r["device_link_per_step"] or 0.0
@@ -130,7 +135,7 @@ def report(results: dict[str, dict[str, Any]], compute: float, w: Workload, m: M
         lines.append(
             f"| ({system}) {NAMES[system]} | {r['seconds_per_step']:.2f} | {tokens:.0f} "
             f"| {ratio} | {host / params:.1f} | {device / params:.1f} | {disk:.2f} | {r['peak_rss_bytes'] / 2**30:.1f} "
-            f"| {peak:.2f} | {peak / r['seconds_per_step']:.0%} | {measured:.2f} "
+            f"| {peak:.2f} | {peak / r['seconds_per_step']:.0%} | {measured:.2f} | {binds} "
             f"| {r['seconds_per_step'] / measured:.2f}x |"
         )  # fmt: skip
     lines += [
@@ -139,23 +144,26 @@ def report(results: dict[str, dict[str, Any]], compute: float, w: Workload, m: M
         "counters (payload). Roofline: max(compute, disk read / read bandwidth + disk write / write bandwidth) with "
         f"6 FLOP/param/token for (a), 8 for (b) (recomputed block forward), {6 + 2 * (1 - w.keep_activations):g} for "
         f"(c)-(e) (--keep-activations {w.keep_activations:g}). Bound: max(the compute above, measured in this run; "
-        "the system's disk bytes at the measured disk speeds); x bound: the step time over it.",
+        "the system's disk bytes at the measured disk speeds), and which of the two binds; x bound: the step time "
+        "over it.",
     ]
     return "\n".join(lines)
 
 
-def plot(results: dict[str, dict[str, Any]], w: Workload, path: Path) -> None:
+def plot(results: dict[str, dict[str, Any]], w: Workload, path: Path, compute: float) -> None:
     systems = list(results)
     tokens = [w.tokens_per_step / results[s]["seconds_per_step"] for s in systems]
     fig, ax = plt.subplots(figsize=(8, 4))
-    bars = ax.bar([f"({s}) {NAMES[s]}" for s in systems], tokens, color=["#888", "#4c72b0", "#55a868", "#c44e52",
-                                                                         "#8172b2"][: len(systems)])  # fmt: skip
+    bars = ax.bar([f"({s}) {NAMES[s]}" for s in systems], tokens, color=["#888", "#dd8452", "#4c72b0", "#55a868",
+                                                                         "#c44e52", "#8172b2"][: len(systems)])  # fmt: skip
     base = tokens[0] if systems[0] == "a" else None
     for bar, value in zip(bars, tokens, strict=True):
         label = f"{value:.0f}" + (f"\n{value / base:.2f}x" if base else "")
         ax.annotate(label, (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom", fontsize=8)
+    ax.axhline(w.tokens_per_step / compute, color="k", linestyle="--", linewidth=1)
+    ax.annotate("compute bound", (0, w.tokens_per_step / compute), fontsize=8, va="bottom")
     params = next(iter(results.values()))["params"]
-    ax.set(ylabel="tokens/s", title=f"GPT {params / 1e6:.0f}M, {w.precision}, state on disk")
+    ax.set(ylabel="tokens/s", title=f"{w.family} {params / 1e6:.0f}M, {w.precision}, state on disk")
     ax.tick_params(axis="x", labelrotation=15, labelsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -179,8 +187,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--devices", type=int, default=2, help="near-storage devices for (d) and (e)")
     parser.add_argument("--keep-activations", type=float, default=1.0,
                         help="(c)-(e): share of blocks whose forward graph serves backward (0: recompute all)")
+    parser.add_argument("--family", choices=("gpt", "llama"), default="gpt",
+                        help="gpt: the shipped GPT; llama: a transformers Llama of the same shape, its own forward")
     parser.add_argument("--host-memory-budget", default="auto",
-                        help="(b)-(e): offload.host_memory_budget, e.g. 2GB of optimizer state in RAM, or 0 (default "
+                        help="(s)-(e): offload.host_memory_budget, e.g. 2GB of optimizer state in RAM, or 0 (default "
                         "auto, as smartinf-train)")
     parser.add_argument("--catch-up", action="store_true", help="(e) with compression.catch_up (docs/compression.md)")
     parser.add_argument("--precision", default="bf16-mixed")
@@ -201,7 +211,8 @@ def main(argv: list[str] | None = None) -> None:
     nvme.mkdir(parents=True, exist_ok=True)
     w = Workload(model, args.seq, args.micro_batch, args.micro_batches, args.precision, str(nvme), args.devices,
                  args.warmup, args.steps, accelerator=args.accelerator, catch_up=args.catch_up,
-                 keep_activations=args.keep_activations, host_memory_budget=args.host_memory_budget)  # fmt: skip
+                 keep_activations=args.keep_activations, host_memory_budget=args.host_memory_budget,
+                 family=args.family)  # fmt: skip
     out = Path(args.out)
     work = out / "runs"
     work.mkdir(parents=True, exist_ok=True)
@@ -210,23 +221,28 @@ def main(argv: list[str] | None = None) -> None:
     (out / "deepspeed_config.json").write_text(json.dumps(deepspeed_config(w, str(nvme / "bench_a")), indent=2))
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in args.systems}
     computes: list[float] = []
+    updates: list[float] = []
     for rep in range(args.reps):
-        computes.append(run_one("compute", w, work, rep)["seconds_per_step"])
-        print(f"rep {rep + 1}/{args.reps} compute (forward + backward, in memory): {computes[-1]:.2f} s/step",
-              flush=True)  # fmt: skip
+        probe = run_one("compute", w, work, rep)
+        computes.append(probe["seconds_per_step"])
+        updates.append(probe["update_seconds"] if args.accelerator == "cpu" else 0.0)
+        print(f"rep {rep + 1}/{args.reps} compute (forward + backward, in memory): {computes[-1]:.2f} s/step; "
+              f"update alone {probe['update_seconds']:.2f} s", flush=True)  # fmt: skip
         for system in args.systems:
             result = run_one(system, w, work, rep)
             runs[system].append(result)
             print(f"rep {rep + 1}/{args.reps} ({system}) {NAMES[system]}: {result['seconds_per_step']:.2f} s/step",
                   flush=True)  # fmt: skip
     results = {s: aggregate(r) for s, r in runs.items()}
-    compute = statistics.median(computes)
-    table = report(results, compute, w, machine, args)
+    update = statistics.median(updates)
+    compute = statistics.median(computes) + update
+    table = report(results, compute, update, w, machine, args)
     print(table)
     (out / "benchmarks.md").write_text(table + "\n")
     (out / "benchmarks.json").write_text(json.dumps({"args": vars(args), "results": results, "compute": computes,
-                                                     "machine": machine.__dict__}, indent=2))  # fmt: skip
-    plot(results, w, out / "benchmarks.png")
+                                                     "update": updates, "machine": machine.__dict__},
+                                                    indent=2))  # fmt: skip
+    plot(results, w, out / "benchmarks.png", compute)
     print(f"wrote {out / 'benchmarks.md'}, {out / 'benchmarks.png'}, {out / 'deepspeed_config.json'}")
 
 
