@@ -4,6 +4,11 @@ The strategy adds it to the Trainer on set-up, so ``Trainer(strategy="smart_infi
 bytes moved in the progress bar and in every logger, and get a per-kind traffic table when fitting ends. The
 progress bar shows this rank's figures; with several ranks the summary sums tokens and bytes over all of them and
 lists each rank's host-link bytes.
+
+Where each step's time goes is logged beside them (``trace.Phases`` on the training thread): ``t_storage``, seconds
+waiting on storage reads; ``t_update``, the optimizer step where it was not hidden (run in line, or waited for by
+the next forward); ``t_compute``, the rest (forward, backward, recompute, and what Lightning and the data loader
+take).
 """
 
 from __future__ import annotations
@@ -17,7 +22,10 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_smartinf import trace
 from lightning_smartinf.core import HOST_LINK
+
+EXPOSED_UPDATE = ("step", "update-wait")
 
 
 def count_tokens(module: pl.LightningModule, batch: Any) -> int:
@@ -38,6 +46,9 @@ class SmartInfinityMonitor(Callback):
         self.last_bytes = 0
         self.start_bytes = 0
         self.start_step = 0
+        self.last_global_step = 0
+        self.phases: trace.Phases | None = None
+        self.last_phases: dict[str, float] = {}
         self.summary: dict[str, Any] = {}
 
     @staticmethod
@@ -50,6 +61,9 @@ class SmartInfinityMonitor(Callback):
         engine = self._engine(trainer)
         self.last_bytes = self.start_bytes = engine.counters.total(link=HOST_LINK) if engine else 0
         self.start_step = engine.step_count if engine else 0  # non-zero after a resume
+        self.last_global_step = trainer.global_step
+        self.phases = trace.count_phases()
+        self.last_phases = {}
 
     @override
     def on_train_batch_end(
@@ -59,8 +73,9 @@ class SmartInfinityMonitor(Callback):
         self.tokens += tokens
         self.step_tokens += tokens
         engine = self._engine(trainer)
-        if engine is None or engine.micro_batches:  # mid-accumulation: the step has not run yet
+        if engine is None or trainer.global_step == self.last_global_step:  # mid-accumulation: no step yet
             return
+        self.last_global_step = trainer.global_step
         now = time.perf_counter()
         elapsed = max(now - self.step_started, 1e-9)
         host = engine.counters.total(link=HOST_LINK)
@@ -70,10 +85,21 @@ class SmartInfinityMonitor(Callback):
             "host_GB": host / 1e9,
         }
         pl_module.log_dict(metrics, prog_bar=True, on_step=True, on_epoch=False)
+        pl_module.log_dict(self._split(elapsed), on_step=True, on_epoch=False)
         self.step_started, self.step_tokens, self.last_bytes = now, 0, host
+
+    def _split(self, elapsed: float) -> dict[str, float]:
+        """This step's seconds: waiting on storage, exposed update, and the rest (compute)."""
+        totals = dict(self.phases.totals) if self.phases is not None else {}
+        delta = {k: v - self.last_phases.get(k, 0.0) for k, v in totals.items()}
+        self.last_phases = totals
+        storage = delta.get("wait", 0.0)
+        update = sum(delta.get(k, 0.0) for k in EXPOSED_UPDATE)
+        return {"t_storage": storage, "t_update": update, "t_compute": max(elapsed - storage - update, 0.0)}
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trace.stop_phases()
         engine = self._engine(trainer)
         if engine is None:
             return

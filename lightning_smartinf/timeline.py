@@ -63,8 +63,8 @@ class Trace(pl.Callback):
         log.info("%s", format_summary(self.summary))
 
 
-COLORS = {"compute": "#4c72b0", "recompute": "#8172b2", "wait": "#c44e52", "grads": "#dd8452", "step": "#937860",
-          "update": "#55a868", "io": "#8c8c8c"}
+COLORS = {"compute": "#4c72b0", "recompute": "#8172b2", "wait": "#c44e52", "update-wait": "#e377c2",
+          "grads": "#dd8452", "step": "#937860", "update": "#55a868", "io": "#8c8c8c"}
 
 
 def plot_timeline(tracer: trace.Tracer, start_ns: int, end_ns: int, path: Path) -> Path:
@@ -82,7 +82,7 @@ def plot_timeline(tracer: trace.Tracer, start_ns: int, end_ns: int, path: Path) 
         if e.cat != "iteration" and e.end_ns >= start_ns and e.start_ns <= end_ns:
             groups.setdefault((e.tid, e.cat), []).append(((e.start_ns - start_ns) / 1e9, (e.end_ns - e.start_ns) / 1e9))
     for cat in COLORS:  # nested spans (wait, recompute, grads) drawn after, thinner, on top
-        height = 0.45 if cat in ("wait", "recompute", "grads") else 0.6
+        height = 0.45 if cat in ("wait", "update-wait", "recompute", "grads") else 0.6
         for (tid, group_cat), spans in groups.items():
             if group_cat == cat:
                 ax.broken_barh(spans, (rows[tid] - height / 2, height), facecolors=COLORS[cat], linewidth=0)

@@ -12,9 +12,12 @@ forward on the overlapped step) and none of the thousands of operator calls, so 
 While no trace is recording, a span costs one global lookup.
 
 The summary splits the training thread's time into phases by the innermost span open at each moment: time in
-``compute`` is the work itself, everything else (``wait``: on a fetch, on a state read, on the overlapped step;
-``step``: the optimizer step where it is not overlapped; ``other``: data loading, Lightning, logging) is exposed
-time that a better schedule could hide.
+``compute`` is the work itself, everything else (``wait``: on a fetch or a state read; ``update-wait``: on the
+overlapped step; ``step``: the optimizer step where it is not overlapped; ``other``: data loading, Lightning,
+logging) is exposed time that a better schedule could hide.
+
+``Phases`` keeps the same split as running totals without recording anything (two clock reads per span on the
+training thread): the monitor reads it every step for the progress bar and the run's plot.
 """
 
 from __future__ import annotations
@@ -106,7 +109,39 @@ class Tracer:
         return {k: dict(v) for k, v in rows.items()}
 
 
+class Phases:
+    """Seconds of one thread (the training thread) by the category of its innermost open span, as running totals;
+    a span's own time excludes the spans opened inside it."""
+
+    def __init__(self) -> None:
+        self.tid = threading.get_ident()
+        self.totals: dict[str, float] = defaultdict(float)
+        self._inner: list[int] = []  # per open span: nanoseconds spent in spans opened inside it
+
+    def push(self) -> None:
+        self._inner.append(0)
+
+    def pop(self, cat: str, duration_ns: int) -> None:
+        inner = self._inner.pop()
+        self.totals[cat] += (duration_ns - inner) / 1e9
+        if self._inner:
+            self._inner[-1] += duration_ns
+
+
 _active: Tracer | None = None
+_phases: Phases | None = None
+
+
+def count_phases() -> Phases:
+    """Start the running totals of the calling thread's phases (the monitor calls it on the training thread)."""
+    global _phases
+    _phases = Phases()
+    return _phases
+
+
+def stop_phases() -> None:
+    global _phases
+    _phases = None
 
 
 def start() -> Tracer:
@@ -129,15 +164,23 @@ def active() -> Tracer | None:
 @contextmanager
 def span(name: str, cat: str, **args: Any) -> Iterator[None]:
     """Record the enclosed work as one span of category ``cat`` (compute, wait, step, update, ...)."""
-    tracer = _active
-    if tracer is None:
+    tracer, phases = _active, _phases
+    if phases is not None and phases.tid != threading.get_ident():
+        phases = None
+    if tracer is None and phases is None:
         yield
         return
     start = time.perf_counter_ns()
+    if phases is not None:
+        phases.push()
     try:
         yield
     finally:
-        tracer.record(name, cat, start, time.perf_counter_ns(), **args)
+        end_ns = time.perf_counter_ns()
+        if tracer is not None:
+            tracer.record(name, cat, start, end_ns, **args)
+        if phases is not None:
+            phases.pop(cat, end_ns - start)
 
 
 def begin(key: Any) -> None:

@@ -1,4 +1,5 @@
-"""A PNG of a run's curves: training/validation loss and host-link traffic, from the CSV logger's metrics.csv."""
+"""A PNG of a run's curves from the CSV logger's metrics.csv: training/validation loss, and where each step's time
+went (compute, waits on storage, the exposed optimizer update; ``monitor.py``) with tokens/s over it."""
 
 from __future__ import annotations
 
@@ -26,15 +27,16 @@ def plot_run(metrics_csv: Path, out_png: Path, title: str) -> Path:
             loss_ax.plot(steps, values, style, label=key)
     loss_ax.set(xlabel="step", ylabel="loss (nats/byte)", title="loss")
     loss_ax.legend()
-    steps, gbps = _series(rows, "host_GBps")
-    io_ax.plot(steps, gbps, label="host link GB/s")
-    io_ax.set(xlabel="step", ylabel="GB/s", title="host-link traffic")
-    twin = io_ax.twinx()
-    steps, tok = _series(rows, "tok_s")
-    twin.plot(steps, tok, "--", color="tab:orange", label="tokens/s")
-    twin.set_ylabel("tokens/s")
-    io_ax.legend(loc="upper left")
-    twin.legend(loc="upper right")
+    bottom: dict[int, float] = {}
+    for key, label, color in (("t_compute", "compute", "#4c72b0"), ("t_storage", "waits on storage", "#c44e52"),
+                              ("t_update", "exposed update", "#55a868")):  # fmt: skip
+        steps, seconds = _series(rows, key)
+        if steps:
+            io_ax.bar(steps, seconds, bottom=[bottom.get(s, 0.0) for s in steps], width=1.0, label=label, color=color)
+            for s, v in zip(steps, seconds, strict=True):
+                bottom[s] = bottom.get(s, 0.0) + v
+    io_ax.set(xlabel="step", ylabel="seconds", title="where each step's time goes")
+    io_ax.legend(loc="upper left", fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(out_png, dpi=100)

@@ -620,9 +620,9 @@ class OffloadEngine:
         self._wait_overlapped()
 
     def _wait_overlapped(self) -> None:
-        with trace.span("wait for the step's non-overlapped share", "wait"):
+        with trace.span("wait for the step's non-overlapped share", "update-wait"):
             self.overlapped.wait_share((1.0 - self.overlap) * self.layout.local_numel)
-        with trace.span("wait for the resident update", "wait"):
+        with trace.span("wait for the resident update", "update-wait"):
             self.overlapped.wait_block(0)  # the resident layers run first and outside the block hooks
         self.params.gather_resident()
 

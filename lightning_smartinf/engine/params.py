@@ -134,7 +134,8 @@ class ParamStreamer:
             self.prefetch(index)
             flat, held = self._gathering.pop(index).result()
         else:
-            self.updates.wait_block(index)  # an overlapped step may still be updating this block
+            with trace.span(f"wait for block {index}'s update", "update-wait"):
+                self.updates.wait_block(index)  # an overlapped step may still be updating this block
             if index not in self._loading:
                 self._start_read(block, self.pool.acquire(block.numel * self.itemsize))
             flat, held = self._collect(block, *self._loading.pop(index))

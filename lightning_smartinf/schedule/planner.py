@@ -158,17 +158,24 @@ def plan(work: Workload, machine: Machine, max_micro_batches: int = 16, choices:
 
 def measure_machine(device: torch.device, directory: Path, backend: IOBackend | None, update_params_per_s: float,
                     dtype: torch.dtype, device_memory: int, host_memory: int) -> Machine:  # fmt: skip
-    """Short probes: the best of a few 2048^3 matmuls for FLOP/s; 128 MiB written and read, 8 requests of 16 MiB at a
-    time through the engine's I/O backend (None: one of its default kind), for disk bandwidth (``probe_disk``)."""
-    n = 2048
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    flops = 0.0
-    for _ in range(4):
-        start = time.perf_counter()
-        a @ a
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        flops = max(flops, 2 * n**3 / (time.perf_counter() - start))
+    """Short probes: the best of a few square matmuls for FLOP/s (2048^3, or smaller where the dtype is slow on this
+    device, as fp16 on most CPUs: the size doubles from 256 while one takes under 50 ms); 128 MiB written and read,
+    8 requests of 16 MiB at a time through the engine's I/O backend (None: one of its default kind), for disk
+    bandwidth (``probe_disk``)."""
+    flops, n = 0.0, 256
+    while True:
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        seconds = float("inf")
+        for _ in range(4 if n == 2048 else 2):
+            start = time.perf_counter()
+            a @ a
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds = min(seconds, time.perf_counter() - start)
+        flops = max(flops, 2 * n**3 / seconds)
+        if n == 2048 or seconds > 0.05:
+            break
+        n *= 2
     disk = probe_disk(directory, 128 * 2**20, backend)
     return Machine(flops, disk.read, disk.write, update_params_per_s, device_memory, host_memory)
 
