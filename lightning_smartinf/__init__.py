@@ -1,8 +1,9 @@
 """lightning-smartinf: SSD-offloaded LLM training as a PyTorch Lightning strategy.
 
-Importing the package registers ``"smart_infinity"`` (and its presets) in Lightning's StrategyRegistry. Lightning is
-needed by the strategy alone: without it the package still imports, and so do the engine, storage, updaters,
-compression, schedules and checkpoints below it (``tests/test_layers.py`` imports them with Lightning absent).
+Importing the package registers ``"smart_infinity"`` (and its presets) in the Trainer's StrategyRegistry and in
+Fabric's (``L.Fabric(strategy="smart_infinity")``, ``lightning_smartinf.fabric``). Lightning is needed by the two
+strategies alone: without it the package still imports, and so do the engine, storage, updaters, compression,
+schedules and checkpoints below them (``tests/test_layers.py`` imports them with Lightning absent).
 """
 
 from __future__ import annotations
@@ -21,10 +22,15 @@ def _register() -> None:
         from lightning.pytorch.strategies import StrategyRegistry
     except ImportError:  # no Lightning: nothing to register with; the layers below the strategy work without it
         return
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    from lightning_smartinf.fabric import SmartInfinityFabricStrategy
     from lightning_smartinf.strategy import SmartInfinityStrategy
 
     if SmartInfinityStrategy.strategy_name not in StrategyRegistry:
         SmartInfinityStrategy.register_strategies(StrategyRegistry)
+    if SmartInfinityFabricStrategy.strategy_name not in STRATEGY_REGISTRY:
+        SmartInfinityFabricStrategy.register_strategies(STRATEGY_REGISTRY)
 
 
 def __getattr__(name: str) -> Any:

@@ -558,6 +558,17 @@ class OffloadEngine:
         if block.resident:  # backward is over: the stream is complete
             self._eager.put(None)
 
+    def _inverse_scale(self) -> float:
+        """GradScaler's fp32 reciprocal of the loss scale (1 without one), which clip_grad_norm_'s fp32 coefficient
+        then sees applied to the norm."""
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        return float(torch.tensor(scale, dtype=torch.float64).reciprocal().float())
+
+    def gradient_norm(self) -> torch.Tensor:
+        """The global L2 norm of the gradients accumulated since the last step, unscaled: what clipping compares
+        with (a collective under data parallelism: every rank calls it)."""
+        return self.partition.global_norm(self.grads.global_norm()) * self._inverse_scale()
+
     def step(self) -> StepResult:
         """Apply one optimizer step to every subgroup (or skip it on fp16 overflow), then reset the gradients."""
         with trace.span("optimizer step", "step", overlap=self.overlap):
@@ -574,9 +585,8 @@ class OffloadEngine:
         self.wait_step()
         self.params.release_all()
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        # GradScaler's fp32 reciprocal, then clip_grad_norm_'s fp32 coefficient on the unscaled norm
-        inv_scale = float(torch.tensor(scale, dtype=torch.float64).reciprocal().float())
-        norm = self.partition.global_norm(self.grads.global_norm()) * inv_scale
+        inv_scale = self._inverse_scale()
+        norm = self.gradient_norm()
         found_inf = not bool(torch.isfinite(norm))
         if self.scaler is not None:
             self.scaler.update(found_inf)
