@@ -224,7 +224,7 @@ class SmartInfinityFabricStrategy(ParallelStrategy):
             raise RuntimeError("the smart_infinity engine is built by fabric.setup(model, optimizer)")
         return self.engine
 
-    # -- the training step ----------------------------------------------------------------------------------------------
+    # -- the training step ------------------------------------------------------------------------------------------
     @override
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
         """The engine's backward: the loss (scaled under fp16), the blocks' gradients into its store."""
@@ -282,11 +282,11 @@ class SmartInfinityFabricStrategy(ParallelStrategy):
     def _saved(self, value: Any) -> Any:
         """A state entry as it is saved: the engine's module as its buffers and untrained parameters (the trained
         ones are the engine's files), its optimizer as its hyper-parameters; other stateful objects by state_dict."""
-        if value is self.module:
+        if self.module is not None and value is self.module:
             owned = {id(slot.param) for slot in self._engine().owned_slots}
             trained = {n for n, p in value.named_parameters(remove_duplicate=False) if id(p) in owned}
             return {ENGINE: {k: v for k, v in value.state_dict().items() if k not in trained}}
-        if value is self.optimizer:
+        if self.optimizer is not None and value is self.optimizer:
             return {ENGINE: [{k: v for k, v in g.items() if k != "params"} for g in value.param_groups]}
         if hasattr(value, "state_dict") and callable(value.state_dict):
             return value.state_dict()
@@ -312,9 +312,9 @@ class SmartInfinityFabricStrategy(ParallelStrategy):
         return saved
 
     def _restore(self, state: dict[str, Any], name: str, target: Any, saved: Any) -> None:
-        if target is self.module:
+        if self.module is not None and target is self.module:
             target.load_state_dict(saved[ENGINE], strict=False)
-        elif target is self.optimizer:
+        elif self.optimizer is not None and target is self.optimizer:
             for group, hyper in zip(target.param_groups, saved[ENGINE], strict=True):
                 group.update(hyper)
         elif hasattr(target, "load_state_dict") and callable(target.load_state_dict):

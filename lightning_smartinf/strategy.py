@@ -421,6 +421,13 @@ class SmartInfinityStrategy(ProcessStrategy):
             self.engine = None
 
     # -- the API users see ----------------------------------------------------------------------------------------
+    @property
+    def mid_accumulation(self) -> bool:
+        """Batches since the last optimizer step: gradients accumulated, or batches held for the window's pass (a
+        checkpoint now would lose them)."""
+        held = self.window is not None and bool(self.window.held)
+        return held or (self.engine is not None and self.engine.micro_batches > 0)
+
     def traffic(self) -> dict[str, dict[str, int]]:
         """Bytes moved so far, ``{"link/direction": {kind: bytes}}`` (see ``TrafficCounters``)."""
         return self.engine.counters.table() if self.engine else {}

@@ -14,14 +14,16 @@ BOTTOM = {"core", "errors", "trace"}
 """Modules that import nothing of the package."""
 
 FORBIDDEN: dict[str, set[str]] = {
-    "storage": {"engine", "update", "compress", "schedule", "checkpoint", "config", "strategy", "precision"},
-    "update": {"engine", "schedule", "checkpoint", "strategy", "precision"},
-    "compress": {"engine", "update", "schedule", "checkpoint", "strategy", "precision"},
-    "schedule": {"engine", "update", "compress", "checkpoint", "strategy", "precision"},
-    "checkpoint": {"engine", "update", "compress", "schedule", "strategy", "precision"},
-    "engine": {"strategy", "precision", "monitor", "timeline", "cli", "bench", "models", "data"},
+    "storage": {"engine", "update", "compress", "schedule", "checkpoint", "config", "strategy", "precision",
+                "fabric"},
+    "update": {"engine", "schedule", "checkpoint", "strategy", "precision", "fabric"},
+    "compress": {"engine", "update", "schedule", "checkpoint", "strategy", "precision", "fabric"},
+    "schedule": {"engine", "update", "compress", "checkpoint", "strategy", "precision", "fabric"},
+    "checkpoint": {"engine", "update", "compress", "schedule", "strategy", "precision", "fabric"},
+    "engine": {"strategy", "fabric", "precision", "monitor", "timeline", "cli", "bench", "models", "data"},
     "ecosystem": {"engine", "update", "compress", "schedule", "checkpoint", "storage", "config", "strategy",
-                  "precision", "monitor", "timeline", "cli", "bench", "models", "data", "processes", "meta"},
+                  "precision", "fabric", "monitor", "timeline", "cli", "bench", "models", "data", "processes",
+                  "meta"},
 }
 """For each layer, the parts of the package it must not import (those above it, and its siblings)."""
 

@@ -154,8 +154,8 @@ def plot(results: dict[str, dict[str, Any]], w: Workload, path: Path, compute: f
     systems = list(results)
     tokens = [w.tokens_per_step / results[s]["seconds_per_step"] for s in systems]
     fig, ax = plt.subplots(figsize=(8, 4))
-    bars = ax.bar([f"({s}) {NAMES[s]}" for s in systems], tokens, color=["#888", "#dd8452", "#4c72b0", "#55a868",
-                                                                         "#c44e52", "#8172b2"][: len(systems)])  # fmt: skip
+    colors = ["#888", "#dd8452", "#4c72b0", "#55a868", "#c44e52", "#8172b2"]
+    bars = ax.bar([f"({s}) {NAMES[s]}" for s in systems], tokens, color=colors[: len(systems)])
     base = tokens[0] if systems[0] == "a" else None
     for bar, value in zip(bars, tokens, strict=True):
         label = f"{value:.0f}" + (f"\n{value / base:.2f}x" if base else "")

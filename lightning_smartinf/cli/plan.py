@@ -129,7 +129,8 @@ def settings_for(system: str, hw: Hardware, seq: int, micro_batch: int, micro_ba
         parts += [f"data.batch_size={micro_batch * micro_batches}", "schedule=vertical",
                   f"schedule.micro_batches={micro_batches}", "schedule.overlap=1.0"]  # fmt: skip
     else:
-        parts += [f"data.batch_size={micro_batch}", f"trainer.accumulate_grad_batches={micro_batches}"]
+        parts += ["schedule=horizontal", f"data.batch_size={micro_batch}",
+                  f"trainer.accumulate_grad_batches={micro_batches}"]  # fmt: skip
     if system in ("d", "e"):
         parts += ["update=smart", f"update.devices={hw.devices}"]
     if system == "e":

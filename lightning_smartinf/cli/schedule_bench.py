@@ -70,7 +70,7 @@ def run_mode(
     torch.manual_seed(0)
     module = GPTModule(cfg, lr=1e-4)
     vertical = mode != "horizontal"
-    schedule = {**MODES[mode], "micro_batches": micro_batches} if vertical else {}
+    schedule = {**MODES[mode], "micro_batches": micro_batches} if vertical else {"kind": "horizontal"}
     if schedule.pop("parked", False):
         module.vertical_pre = module.vertical_loss = None  # type: ignore[assignment]
     batch = args.micro_batch * (micro_batches if vertical else 1)

@@ -127,8 +127,7 @@ class Preemption(pl.Callback):
             return
         if not isinstance(exception, SIGTERMException):
             return
-        engine = trainer.strategy.engine  # type: ignore[attr-defined]
-        if engine is None or engine.micro_batches:
+        if trainer.strategy.engine is None or trainer.strategy.mid_accumulation:  # type: ignore[attr-defined]
             log.warning("SIGTERM in the middle of gradient accumulation: no checkpoint could be saved")
             return
         self.saved = self.directory / f"step{trainer.global_step}.ckpt"

@@ -72,8 +72,10 @@ class OverlappedStep:
         self.raise_failure()
 
     def raise_failure(self) -> None:
+        if isinstance(self.failure, OSError):  # a storage failure keeps its type: callers treat those apart
+            raise self.failure
         if self.failure is not None:
-            raise StepFailedError("the optimizer step failed") from self.failure
+            raise StepFailedError(f"the optimizer step failed: {self.failure}") from self.failure
 
     # -- on the step's thread ---------------------------------------------------------------------------------------
     def published(self, block: int) -> None:

@@ -21,6 +21,7 @@ what is left is dropped and recomputed as usual.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -198,7 +199,7 @@ class ParkedVertical:
         """``step(micro_batch)`` returns a loss (or a dict with ``"loss"``); ``context`` is entered on each thread
         around it (the precision plugin's autocast, which is per thread)."""
         micros = split_batch(batch, self.micro_batches)
-        return self.run_calls([lambda mb=micro: step(mb) for micro in micros], context, self.micro_batches)
+        return self.run_calls([functools.partial(step, micro) for micro in micros], context, self.micro_batches)
 
     def run_calls(
         self, steps: Sequence[Callable[[], Any]], context: Callable[[], AbstractContextManager[Any]], divisor: int

@@ -21,6 +21,7 @@ device the choice reduces to this search over the divisors of the batch.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,8 @@ import torch
 
 from lightning_smartinf.storage.io import IOBackend
 from lightning_smartinf.storage.probe import probe_disk
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -176,7 +179,11 @@ def measure_machine(device: torch.device, directory: Path, backend: IOBackend | 
         if n == 2048 or seconds > 0.05:
             break
         n *= 2
-    disk = probe_disk(directory, 128 * 2**20, backend)
+    try:
+        disk = probe_disk(directory, 128 * 2**20, backend)
+    except OSError as err:  # as the state's own I/O: a failed request is tried once more, then it is an error
+        log.warning("smart_infinity: the disk probe under %s failed (%s); trying it once more", directory, err)
+        disk = probe_disk(directory, 128 * 2**20, backend)
     return Machine(flops, disk.read, disk.write, update_params_per_s, device_memory, host_memory)
 
 

@@ -52,18 +52,17 @@ class VerticalEngine(ParkedEngine, Protocol):
 
 
 def has_protocol(module: object) -> bool:
-    return all(callable(getattr(module, name, None)) for name in ("vertical_pre", "vertical_loss"))
-
-
-def check_protocol(module: object) -> None:
-    """``schedule=auto`` measures the model's blocks through the protocol before it plans."""
-    missing = [name for name in ("vertical_pre", "vertical_loss") if not callable(getattr(module, name, None))]
-    if missing:
-        raise TypeError(
-            f"schedule=auto measures the blocks through the module's vertical_pre/vertical_loss: "
-            f"{type(module).__name__} lacks {', '.join(missing)} (docs/vertical.md); use schedule=vertical with "
-            "schedule.micro_batches=N, which runs any module, or schedule=horizontal"
-        )
+    """The module has ``vertical_pre``/``vertical_loss``, and its ``training_step`` is not overridden below the class
+    that defines them, nor on the instance (a step changed that way, e.g. scaling its loss, must run: the module
+    then trains parked, through its own ``training_step``)."""
+    if not all(callable(getattr(module, name, None)) for name in ("vertical_pre", "vertical_loss")):
+        return False
+    if "training_step" in vars(module):  # replaced on the instance
+        return False
+    mro = type(module).__mro__
+    step = next((i for i, c in enumerate(mro) if "training_step" in c.__dict__), len(mro))
+    loss = next((i for i, c in enumerate(mro) if "vertical_loss" in c.__dict__), len(mro))
+    return step >= loss
 
 
 class CheckpointTiers:

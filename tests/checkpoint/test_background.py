@@ -24,6 +24,7 @@ def train(root: Path, async_save: bool, steps: int = 6, keep: int = -1, update: 
         offload={"nvme_path": str(root / "state"), "subgroup_size": 4096, "io_backend": "threads",
                  "async_save": async_save, "host_memory_budget": "0"},
         update={"backend": update, "host_adam": "torch", "devices": 2},
+        schedule={"kind": "horizontal"},  # the step in line: the next one meets the copies still running
     )  # fmt: skip
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, precision="32-true", logger=False,

@@ -59,8 +59,7 @@ def smart(tmp_path: Path, vertical: bool, budget: str = "0", update: str = "host
                  "host_memory_budget": budget, **({"grads": "cpu"} if update == "smart" else {})},
         update={"host_adam": "torch"} if update == "host" else {"backend": "smart", "devices": 2},
     )  # fmt: skip
-    if vertical:
-        strategy.schedule = ScheduleConfig("vertical", micro_batches=2)
+    strategy.schedule = ScheduleConfig("vertical", micro_batches=2) if vertical else ScheduleConfig("horizontal")
     return strategy
 
 

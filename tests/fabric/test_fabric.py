@@ -121,14 +121,18 @@ def test_init_module_builds_on_meta(tmp_path: Path) -> None:
 def test_data_parallel_through_fabrics_launcher_equals_ddp(tmp_path: Path) -> None:
     """Two CPU processes started by Fabric's launcher, each its half of every batch: the masters equal plain
     Fabric DDP's parameters (fp32, clipping on)."""
+    import os
     import subprocess
     import sys
+
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
     script = Path(__file__).with_name("fabric_dp_run.py")
     for kind in ("smart", "ddp"):
         (tmp_path / kind).mkdir()
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_network_port())}
         done = subprocess.run([sys.executable, str(script), str(tmp_path / kind), kind], capture_output=True,
-                              text=True, timeout=300)  # fmt: skip
+                              text=True, timeout=600, env=env)  # fmt: skip
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     ours, ddp = torch.load(tmp_path / "smart" / "masters.pt"), torch.load(tmp_path / "ddp" / "masters.pt")
     assert ours.keys() == ddp.keys()

@@ -35,7 +35,8 @@ class FaultPlan:
     limit: int = 3
     seed: int = 0
     sticky: bool = False
-    where: Callable[[Path], bool] = lambda path: True
+    where: Callable[[Path], bool] = lambda path: path.parent.name != "probe"
+    """Which files' requests may fail: every state file (not the planner's disk probe, whose bytes are not state)."""
     injected: list[Injected] = field(default_factory=list)
 
     def __post_init__(self) -> None:
