@@ -16,6 +16,8 @@ from lightning_smartinf.fabric import SmartInfinityFabricStrategy
 from lightning_smartinf.models.gpt import GPT
 
 LIBRARY = {"llama": "transformers", "litgpt": "litgpt"}
+DISTRIBUTED_ENV = {"LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                   "MASTER_PORT", "TORCHELASTIC_RUN_ID"}  # fmt: skip
 
 
 def build(family: str) -> torch.nn.Module:
@@ -130,9 +132,12 @@ def test_data_parallel_through_fabrics_launcher_equals_ddp(tmp_path: Path) -> No
     script = Path(__file__).with_name("fabric_dp_run.py")
     for kind in ("smart", "ddp"):
         (tmp_path / kind).mkdir()
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_network_port())}
+        # a fresh launch: rank variables an earlier test left in this process would make Fabric think the ranks
+        # were started already (and rank 0 would wait for a rank 1 nobody starts)
+        env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_network_port()))
         done = subprocess.run([sys.executable, str(script), str(tmp_path / kind), kind], capture_output=True,
-                              text=True, timeout=600, env=env)  # fmt: skip
+                              text=True, timeout=300, env=env)  # fmt: skip
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     ours, ddp = torch.load(tmp_path / "smart" / "masters.pt"), torch.load(tmp_path / "ddp" / "masters.pt")
     assert ours.keys() == ddp.keys()
