@@ -32,7 +32,9 @@ def plot_run(metrics_csv: Path, out_png: Path, title: str) -> Path:
                               ("t_update", "exposed update", "#55a868")):  # fmt: skip
         steps, seconds = _series(rows, key)
         if steps:
-            io_ax.bar(steps, seconds, bottom=[bottom.get(s, 0.0) for s in steps], width=1.0, label=label, color=color)
+            gap = min((b - a for a, b in zip(steps, steps[1:], strict=False)), default=1)  # the logging interval
+            io_ax.bar(steps, seconds, bottom=[bottom.get(s, 0.0) for s in steps], width=0.8 * max(gap, 1),
+                      label=label, color=color)  # fmt: skip
             for s, v in zip(steps, seconds, strict=True):
                 bottom[s] = bottom.get(s, 0.0) + v
     io_ax.set(xlabel="step", ylabel="seconds", title="where each step's time goes")
