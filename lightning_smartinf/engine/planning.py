@@ -136,6 +136,13 @@ def resident_forward_seconds(vertical_pre: Callable[[torch.Tensor], torch.Tensor
     return seconds
 
 
+def probe_size(work: Workload) -> int:
+    """Bytes of the disk probe: 128 MiB, or an iteration's parameter and step traffic where that is smaller (at least
+    4 MiB): a small model's plan needs no bigger probe than the traffic it predicts."""
+    traffic = 2 * work.streamed_param_bytes + work.step_read_bytes + work.step_write_bytes
+    return min(128 * 2**20, max(4 * 2**20, -(-traffic // 2**20) * 2**20))  # whole MiB: O_DIRECT-aligned requests
+
+
 def plan_schedule(engine: OffloadEngine, vertical_pre: Callable[[torch.Tensor], torch.Tensor],
                   vertical_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], batch: torch.Tensor,
                   forward_context: Callable[[], AbstractContextManager[Any]],
@@ -152,7 +159,8 @@ def plan_schedule(engine: OffloadEngine, vertical_pre: Callable[[torch.Tensor], 
     boundaries = len(engine.layout.streamed) + 1
     work = workload_of(engine, batch, hidden[0].numel() * hidden.element_size() * boundaries, kept, resident_s)
     machine = measure_machine(engine.device, engine.root, engine.backend, update_rate(engine), engine.param_dtype,
-                              memory_budget(engine.device), memory_budget(torch.device("cpu")))  # fmt: skip
+                              memory_budget(engine.device), memory_budget(torch.device("cpu")),
+                              probe_size(work))  # fmt: skip
     machine.activation_memory = activation_memory(engine)
     log.info("schedule=auto: the model's blocks run at %.3g TFLOP/s here (a 2048^3 matmul: %.3g); the forward of "
              "its resident layers and loss takes %.3g s per batch", flops / 1e12, machine.flops / 1e12,
@@ -166,7 +174,8 @@ def plan_parked(engine: OffloadEngine, batch: Any, micro_batches: int) -> Plan:
     graphs are sized as they run, within the memory the host budget leaves (``Plan.keep_bytes``)."""
     work = workload_of(engine, batch, 0)
     machine = measure_machine(engine.device, engine.root, engine.backend, update_rate(engine), engine.param_dtype,
-                              memory_budget(engine.device), memory_budget(torch.device("cpu")))  # fmt: skip
+                              memory_budget(engine.device), memory_budget(torch.device("cpu")),
+                              probe_size(work))  # fmt: skip
     keep_bytes = activation_memory(engine)
     parts = predict(work, machine, True, micro_batches, 1.0, 1.0 if keep_bytes else 0.0)
     overlap = 1.0 if parts["step"] else 0.0  # never slower: each block waits only for its own update

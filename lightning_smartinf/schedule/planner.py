@@ -160,11 +160,12 @@ def plan(work: Workload, machine: Machine, max_micro_batches: int = 16, choices:
 
 
 def measure_machine(device: torch.device, directory: Path, backend: IOBackend | None, update_params_per_s: float,
-                    dtype: torch.dtype, device_memory: int, host_memory: int) -> Machine:  # fmt: skip
+                    dtype: torch.dtype, device_memory: int, host_memory: int,
+                    probe_bytes: int = 128 * 2**20) -> Machine:  # fmt: skip
     """Short probes: the best of a few square matmuls for FLOP/s (2048^3, or smaller where the dtype is slow on this
     device, as fp16 on most CPUs: the size doubles from 256 while one takes under 50 ms); 128 MiB written and read,
     8 requests of 16 MiB at a time through the engine's I/O backend (None: one of its default kind), for disk
-    bandwidth (``probe_disk``)."""
+    bandwidth (``probe_disk``); ``probe_bytes`` less for a model whose traffic is smaller than that."""
     flops, n = 0.0, 256
     while True:
         a = torch.randn(n, n, device=device, dtype=dtype)
@@ -180,10 +181,10 @@ def measure_machine(device: torch.device, directory: Path, backend: IOBackend | 
             break
         n *= 2
     try:
-        disk = probe_disk(directory, 128 * 2**20, backend)
+        disk = probe_disk(directory, probe_bytes, backend)
     except OSError as err:  # as the state's own I/O: a failed request is tried once more, then it is an error
         log.warning("smart_infinity: the disk probe under %s failed (%s); trying it once more", directory, err)
-        disk = probe_disk(directory, 128 * 2**20, backend)
+        disk = probe_disk(directory, probe_bytes, backend)
     return Machine(flops, disk.read, disk.write, update_params_per_s, device_memory, host_memory)
 
 

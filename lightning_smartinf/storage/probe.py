@@ -57,8 +57,9 @@ def _stream(store: FileStore, ops: Iterator[tuple[str, str]], buffers: list[torc
 def measure_disk(store: FileStore, nbytes: int, chunk: int = 16 * 2**20, inflight: int = 8) -> DiskSpeeds:
     """Write ``nbytes`` in ``chunk``-sized files, read them back, then read them while writing as many again; the best
     of two rounds for reads and writes alone. Removes its files."""
+    chunk = min(chunk, max(nbytes // (1 << 20), 1) << 20)  # a smaller probe in smaller (whole-MiB) requests
     chunks = max(1, nbytes // chunk)
-    buffers = [store.allocator.allocate(chunk) for _ in range(inflight)]
+    buffers = [store.allocator.allocate(chunk) for _ in range(min(inflight, 2 * chunks))]
     for buffer in buffers:
         buffer.fill_(1)
     try:
