@@ -53,7 +53,7 @@ from lightning_smartinf.config import (
     coerce,
 )
 from lightning_smartinf.engine.engine import OffloadEngine
-from lightning_smartinf.engine.snapshot import load_engine_state, take_snapshot, write_snapshot
+from lightning_smartinf.engine.snapshot import load_engine_state, module_state, take_snapshot, write_snapshot
 from lightning_smartinf.errors import ConfigError
 from lightning_smartinf.meta import meta_parameters
 from lightning_smartinf.precision import PARAM_DTYPES
@@ -283,9 +283,7 @@ class SmartInfinityFabricStrategy(ParallelStrategy):
         """A state entry as it is saved: the engine's module as its buffers and untrained parameters (the trained
         ones are the engine's files), its optimizer as its hyper-parameters; other stateful objects by state_dict."""
         if self.module is not None and value is self.module:
-            owned = {id(slot.param) for slot in self._engine().owned_slots}
-            trained = {n for n, p in value.named_parameters(remove_duplicate=False) if id(p) in owned}
-            return {ENGINE: {k: v for k, v in value.state_dict().items() if k not in trained}}
+            return {ENGINE: module_state(self._engine(), value)}
         if self.optimizer is not None and value is self.optimizer:
             return {ENGINE: [{k: v for k, v in g.items() if k != "params"} for g in value.param_groups]}
         if hasattr(value, "state_dict") and callable(value.state_dict):

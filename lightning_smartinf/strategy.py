@@ -45,7 +45,7 @@ from lightning_smartinf.config import (
 from lightning_smartinf.engine.engine import OffloadEngine
 from lightning_smartinf.engine.export import export_live
 from lightning_smartinf.engine.planning import plan_parked, plan_schedule
-from lightning_smartinf.engine.snapshot import load_engine_state, take_snapshot, write_snapshot
+from lightning_smartinf.engine.snapshot import load_engine_state, module_state, take_snapshot, write_snapshot
 from lightning_smartinf.errors import ConfigError
 from lightning_smartinf.meta import meta_parameters
 from lightning_smartinf.monitor import SmartInfinityMonitor
@@ -247,8 +247,8 @@ class SmartInfinityStrategy(ProcessStrategy):
         assert self.engine is not None and self.lightning_module is not None and self._trainer is not None
         module, context = self.lightning_module, self.precision_plugin.forward_context
         batch = concat_batches([c.args[0] for c in calls])
-        window = self.window is not None
-        if has_protocol(module):
+        window, protocol = self.window is not None, has_protocol(module)
+        if protocol:
             measured = plan_schedule(self.engine, module.vertical_pre, module.vertical_loss, batch,  # type: ignore[arg-type]
                                      context, [len(calls)] if window else None)  # fmt: skip
         else:
@@ -260,7 +260,7 @@ class SmartInfinityStrategy(ProcessStrategy):
         settings = replace(self.schedule, kind="vertical", micro_batches=1 if window else chosen.micro_batches,
                            overlap=chosen.overlap, checkpoint_host=chosen.checkpoint_host,
                            checkpoint_nvme=chosen.checkpoint_nvme, keep_activations=chosen.keep_activations)
-        return self._vertical_schedule(self._trainer, settings, None if has_protocol(module) else chosen.keep_bytes)
+        return self._vertical_schedule(self._trainer, settings, None if protocol else chosen.keep_bytes)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -333,11 +333,8 @@ class SmartInfinityStrategy(ProcessStrategy):
         """The module's buffers and the frozen parameters outside the streamed blocks: the engine's trained weights
         are its fp32 masters, saved as files in the checkpoint. The streamed blocks' frozen parameters are not saved:
         they never change, and a resume takes them from the model's init route again (``init_from``)."""
-        module = self.lightning_module
-        assert module is not None and self.engine is not None
-        owned = {id(slot.param) for slot in self.engine.owned_slots}
-        weights = {name for name, p in module.named_parameters(remove_duplicate=False) if id(p) in owned}
-        return {k: v for k, v in module.state_dict().items() if k not in weights}
+        assert self.lightning_module is not None and self.engine is not None
+        return module_state(self.engine, self.lightning_module)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:

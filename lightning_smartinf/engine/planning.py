@@ -13,7 +13,7 @@ import psutil
 import torch
 
 from lightning_smartinf.schedule.kept import activation_bytes
-from lightning_smartinf.schedule.planner import Plan, Workload, measure_machine, plan, predict
+from lightning_smartinf.schedule.planner import Machine, Plan, Workload, measure_machine, plan, predict
 from lightning_smartinf.schedule.window import tokens_of
 from lightning_smartinf.update.optimizers import torch_update
 from lightning_smartinf.update.smart import SmartUpdater
@@ -143,6 +143,13 @@ def probe_size(work: Workload) -> int:
     return min(128 * 2**20, max(4 * 2**20, -(-traffic // 2**20) * 2**20))  # whole MiB: O_DIRECT-aligned requests
 
 
+def measure(engine: OffloadEngine, work: Workload) -> Machine:
+    """This machine's speeds and memory limits as the engine sees them (its device, its disk through its backend, its
+    optimizer's update rate), the disk probe sized to ``work``."""
+    return measure_machine(engine.device, engine.root, engine.backend, update_rate(engine), engine.param_dtype,
+                           memory_budget(engine.device), memory_budget(torch.device("cpu")), probe_size(work))
+
+
 def plan_schedule(engine: OffloadEngine, vertical_pre: Callable[[torch.Tensor], torch.Tensor],
                   vertical_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], batch: torch.Tensor,
                   forward_context: Callable[[], AbstractContextManager[Any]],
@@ -158,9 +165,7 @@ def plan_schedule(engine: OffloadEngine, vertical_pre: Callable[[torch.Tensor], 
         kept = kept_block_bytes(engine, hidden)
     boundaries = len(engine.layout.streamed) + 1
     work = workload_of(engine, batch, hidden[0].numel() * hidden.element_size() * boundaries, kept, resident_s)
-    machine = measure_machine(engine.device, engine.root, engine.backend, update_rate(engine), engine.param_dtype,
-                              memory_budget(engine.device), memory_budget(torch.device("cpu")),
-                              probe_size(work))  # fmt: skip
+    machine = measure(engine, work)
     machine.activation_memory = activation_memory(engine)
     log.info("schedule=auto: the model's blocks run at %.3g TFLOP/s here (a 2048^3 matmul: %.3g); the forward of "
              "its resident layers and loss takes %.3g s per batch", flops / 1e12, machine.flops / 1e12,
@@ -173,9 +178,7 @@ def plan_parked(engine: OffloadEngine, batch: Any, micro_batches: int) -> Plan:
     its blocks run only from inside its training_step, so compute is estimated at the matmul rate, and its kept
     graphs are sized as they run, within the memory the host budget leaves (``Plan.keep_bytes``)."""
     work = workload_of(engine, batch, 0)
-    machine = measure_machine(engine.device, engine.root, engine.backend, update_rate(engine), engine.param_dtype,
-                              memory_budget(engine.device), memory_budget(torch.device("cpu")),
-                              probe_size(work))  # fmt: skip
+    machine = measure(engine, work)
     keep_bytes = activation_memory(engine)
     parts = predict(work, machine, True, micro_batches, 1.0, 1.0 if keep_bytes else 0.0)
     overlap = 1.0 if parts["step"] else 0.0  # never slower: each block waits only for its own update

@@ -154,6 +154,14 @@ def signature_differences(saved: dict[str, Any], current: dict[str, Any]) -> lis
     return found
 
 
+def module_state(engine: OffloadEngine, module: torch.nn.Module) -> dict[str, Any]:
+    """``module``'s state dict less the parameters whose fp32 masters the engine holds (a checkpoint saves those as
+    the engine's files): its buffers and the frozen parameters outside the streamed blocks."""
+    owned = {id(slot.param) for slot in engine.owned_slots}
+    trained = {name for name, p in module.named_parameters(remove_duplicate=False) if id(p) in owned}
+    return {k: v for k, v in module.state_dict().items() if k not in trained}
+
+
 def engine_nbytes(engine: OffloadEngine) -> int:
     """Bytes a checkpoint of the engine's state takes."""
     compressor = engine.compressor
