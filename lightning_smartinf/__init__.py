@@ -1,9 +1,10 @@
 """lightning-smartinf: SSD-offloaded LLM training as a PyTorch Lightning strategy.
 
 Importing the package registers ``"smart_infinity"`` (and its presets) in the Trainer's StrategyRegistry and in
-Fabric's (``L.Fabric(strategy="smart_infinity")``, ``lightning_smartinf.fabric``). Lightning is needed by the two
-strategies alone: without it the package still imports, and so do the engine, storage, updaters, compression,
-schedules and checkpoints below them (``tests/test_layers.py`` imports them with Lightning absent).
+Fabric's (``L.Fabric(strategy="smart_infinity")``); both strategies live in ``lightning_smartinf.lightning``, the
+one layer that speaks Lightning. Without Lightning the package still imports, and so do the engine, storage,
+updaters, compression, schedules and checkpoints below it (``tests/test_layers.py`` imports them with Lightning
+absent; ``tests/layers.py`` holds the table of layers).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning_smartinf.strategy import SmartInfinityStrategy
+    from lightning_smartinf.lightning.strategy import SmartInfinityStrategy
 
 __all__ = ["SmartInfinityStrategy"]
 __version__ = "0.1.0"
@@ -24,8 +25,8 @@ def _register() -> None:
         return
     from lightning.fabric.strategies import STRATEGY_REGISTRY
 
-    from lightning_smartinf.fabric import SmartInfinityFabricStrategy
-    from lightning_smartinf.strategy import SmartInfinityStrategy
+    from lightning_smartinf.lightning.fabric import SmartInfinityFabricStrategy
+    from lightning_smartinf.lightning.strategy import SmartInfinityStrategy
 
     if SmartInfinityStrategy.strategy_name not in StrategyRegistry:
         SmartInfinityStrategy.register_strategies(StrategyRegistry)
@@ -35,7 +36,7 @@ def _register() -> None:
 
 def __getattr__(name: str) -> Any:
     if name == "SmartInfinityStrategy":
-        from lightning_smartinf.strategy import SmartInfinityStrategy
+        from lightning_smartinf.lightning.strategy import SmartInfinityStrategy
 
         return SmartInfinityStrategy
     raise AttributeError(f"module 'lightning_smartinf' has no attribute {name!r}")

@@ -127,6 +127,16 @@ class Layout:
         return self.blocks[0]
 
 
+def block_pairs(layout: Layout, frozen: Layout) -> list[tuple[Block, Block]]:
+    """Each block of ``layout`` with its twin in the ``frozen`` layout (same index: the same module)."""
+    return list(zip(layout.blocks, frozen.blocks, strict=True))
+
+
+def owned_slots(layout: Layout, frozen: Layout) -> list[ParamSlot]:
+    """Every parameter an engine owns, block by block: the trainable ones, then the block's frozen ones."""
+    return [slot for block, fixed in block_pairs(layout, frozen) for slot in block.slots + fixed.slots]
+
+
 @dataclass
 class StepContext:
     """What one optimizer step needs besides the gradients."""

@@ -3,7 +3,7 @@
     smartinf-train trainer.trace=trace.json               # iterations 2-3 (after warm-up), then open it in
                                                           # https://ui.perfetto.dev or chrome://tracing
     trainer = pl.Trainer(strategy="smart_infinity", callbacks=[Trace("trace.json", start=2, iterations=2)])
-                                                          # lightning_smartinf.timeline.Trace
+                                                          # lightning_smartinf.lightning.timeline.Trace
 
 A small span recorder rather than torch.profiler: it records the few hundred events an iteration has (per block
 and micro-batch forward, backward and recompute; every storage request with its bytes, queue wait and service

@@ -42,8 +42,8 @@ def run_trainer(args: argparse.Namespace, state: Path) -> list[float]:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
+    from lightning_smartinf.lightning.strategy import SmartInfinityStrategy
     from lightning_smartinf.models.gpt import GPTModule
-    from lightning_smartinf.strategy import SmartInfinityStrategy
 
     config = model_config(args.recipe, args.seq)
     stamps: list[float] = []
@@ -67,7 +67,7 @@ def run_fabric(args: argparse.Namespace, state: Path) -> list[float]:
     import lightning as L
     import torch.nn.functional as F
 
-    from lightning_smartinf.fabric import SmartInfinityFabricStrategy
+    from lightning_smartinf.lightning.fabric import SmartInfinityFabricStrategy
     from lightning_smartinf.models.gpt import GPT
     from lightning_smartinf.models.optim import configure
 

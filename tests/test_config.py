@@ -9,7 +9,7 @@ import pytest
 from helpers import fit, make_module
 
 from lightning_smartinf.config import OffloadConfig, coerce
-from lightning_smartinf.strategy import SmartInfinityStrategy
+from lightning_smartinf.lightning.strategy import SmartInfinityStrategy
 
 
 def test_dict_and_dataclass_mean_the_same() -> None:

@@ -1,84 +1,61 @@
-"""The package's layers import one way (docs/architecture.md): every import of a package module, including those
-under ``TYPE_CHECKING`` and inside functions, read from the source's syntax tree."""
+"""The package's layers import one way: every module sits in exactly one layer of the table in tests/layers.py,
+imports only the layers and third-party packages that layer allows (every import, also under ``TYPE_CHECKING``, in
+functions, relative or through the package root), and docs/architecture.md shows the same table."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+import layers
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "lightning_smartinf"
-
-BOTTOM = {"core", "errors", "trace"}
-"""Modules that import nothing of the package."""
-
-FORBIDDEN: dict[str, set[str]] = {
-    "storage": {"engine", "update", "compress", "schedule", "checkpoint", "config", "strategy", "precision",
-                "fabric"},
-    "update": {"engine", "schedule", "checkpoint", "strategy", "precision", "fabric"},
-    "compress": {"engine", "update", "schedule", "checkpoint", "strategy", "precision", "fabric"},
-    "schedule": {"engine", "update", "compress", "checkpoint", "strategy", "precision", "fabric"},
-    "checkpoint": {"engine", "update", "compress", "schedule", "strategy", "precision", "fabric"},
-    "engine": {"strategy", "fabric", "precision", "monitor", "timeline", "cli", "bench", "models", "data"},
-    "ecosystem": {"engine", "update", "compress", "schedule", "checkpoint", "storage", "config", "strategy",
-                  "precision", "fabric", "monitor", "timeline", "cli", "bench", "models", "data", "processes",
-                  "meta"},
-}
-"""For each layer, the parts of the package it must not import (those above it, and its siblings)."""
+PACKAGE = layers.PACKAGE
 
 
-def _imports(path: Path) -> set[str]:
-    """The package modules ``path`` imports, as dotted names below ``lightning_smartinf``."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        names: list[str] = []
-        if isinstance(node, ast.ImportFrom) and node.module:
-            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
-        elif isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        for name in names:
-            if name.startswith("lightning_smartinf."):
-                found.add(name.removeprefix("lightning_smartinf."))
-            elif name == "lightning_smartinf":
-                found.add("")
-    return found
+def test_every_module_has_a_layer_and_imports_only_what_it_may() -> None:
+    assert not layers.violations(), "\n".join(layers.violations())
 
 
-def _modules() -> list[tuple[str, Path]]:
-    return [(".".join(p.relative_to(PACKAGE).with_suffix("").parts), p) for p in sorted(PACKAGE.rglob("*.py"))]
+def test_no_import_cycles() -> None:
+    assert not layers.cycles()
 
 
-def _top(name: str) -> str:
-    return name.split(".")[0]
+def test_docs_show_the_table() -> None:
+    assert layers.documented() == layers.render(), "run `python tests/layers.py --write` and commit docs/"
 
 
-@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
-def test_layer_imports_nothing_above_it(layer: str) -> None:
-    wrong = [
-        f"{module} imports {target}"
-        for module, path in _modules()
-        if _top(module) == layer
-        for target in _imports(path)
-        if _top(target) in FORBIDDEN[layer]
-    ]
-    assert not wrong, wrong
-
-
-def test_bottom_modules_import_nothing_of_the_package() -> None:
-    wrong = {module: sorted(_imports(path)) for module, path in _modules() if module in BOTTOM and _imports(path)}
-    assert not wrong, wrong
-
-
-def test_the_checker_sees_every_kind_of_import(tmp_path: Path) -> None:
-    source = tmp_path / "m.py"
+def test_the_checker_resolves_every_kind_of_import(tmp_path: Path) -> None:
+    package = tmp_path / "engine"
+    package.mkdir()
+    source = package / "m.py"
     source.write_text(
-        "from typing import TYPE_CHECKING\nimport lightning_smartinf.engine.engine\n"
-        "from lightning_smartinf.update import smart\nif TYPE_CHECKING:\n    from lightning_smartinf.config import X\n"
+        "from typing import TYPE_CHECKING\nimport lightning_smartinf.engine.engine\nimport lightning.pytorch\n"
+        "from lightning_smartinf.update import smart\nfrom lightning_smartinf import trace\n"
+        "from . import params\nfrom ..storage.store import FileStore\nif TYPE_CHECKING:\n"
+        "    from lightning_smartinf.config import X\n"
         "def f():\n    from lightning_smartinf.schedule.vertical import Y\n"
     )
-    found = {_top(name) for name in _imports(source)}
-    assert found == {"engine", "update", "config", "schedule"}
+    ours, theirs = layers.imports("engine.m", source)
+    assert ours == {"engine.engine", "update.smart", "trace", "engine.params", "storage.store", "config",
+                    "schedule.vertical"}  # fmt: skip
+    assert "lightning" in theirs
+
+
+def test_a_module_without_a_layer_or_with_a_forbidden_import_is_named_with_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loose = tmp_path / "loose.py"
+    loose.write_text("x = 1\n")
+    engine = tmp_path / "engine.py"
+    engine.write_text("import lightning\nfrom lightning_smartinf.lightning import strategy\n")
+    known = layers.modules()
+    monkeypatch.setattr(layers, "modules", lambda: {**known, "loose": loose, "engine.bad": engine})
+    monkeypatch.setattr(layers, "ROOT", tmp_path.parent)
+    wrong = "\n".join(layers.violations())
+    assert "loose (" in wrong and "belongs to no layer: add it to LAYERS in tests/layers.py" in wrong
+    assert "engine.bad (engine) imports lightning.strategy (lightning)" in wrong
+    assert "engine.bad (engine) imports lightning, which only lightning, models, tools may import" in wrong
 
 
 def _engine_writes(path: Path) -> list[str]:
@@ -101,7 +78,8 @@ def _engine_writes(path: Path) -> list[str]:
 
 def test_only_the_engine_writes_its_state() -> None:
     """Callers configure the engine through its methods (configure_step, count_micro_batch, discard_gradients)."""
-    wrong = [w for module, path in _modules() if _top(module) != "engine" for w in _engine_writes(path)]
+    wrong = [w for module, path in layers.modules().items() if layers.layer_of(module) != layers.layer_of("engine")
+             for w in _engine_writes(path)]  # fmt: skip
     assert not wrong, wrong
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from helpers import fit, make_module, token_loader
 
 from lightning_smartinf import trace
-from lightning_smartinf.timeline import Trace
+from lightning_smartinf.lightning.timeline import Trace
 
 
 def test_exposed_time_is_split_by_the_innermost_open_span() -> None:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_smartinf.bench.systems import Workload, deepspeed_config, strategy_settings
+from lightning_smartinf.ecosystem import hf
 from lightning_smartinf.models.gpt import GPT, GPTConfig, GPTModule
 from lightning_smartinf.ops import use_environment_extensions_dir
 
@@ -31,12 +32,11 @@ from lightning_smartinf.ops import use_environment_extensions_dir
 def llama_config(w: Workload) -> Any:
     """A transformers Llama of the workload's GPT shape: the same hidden size, layers and heads, an MLP 8/3 as wide
     (rounded to 64) so that a block holds as many parameters as a GPT block."""
-    from transformers import LlamaConfig
-
-    d = w.model["n_embd"]
-    return LlamaConfig(vocab_size=w.model["vocab_size"], hidden_size=d, intermediate_size=round(8 * d / 3 / 64) * 64,
-                       num_hidden_layers=w.model["n_layer"], num_attention_heads=w.model["n_head"],
-                       max_position_embeddings=max(w.seq_len, 16), tie_word_embeddings=False)  # fmt: skip
+    d, m = w.model["n_embd"], w.model
+    shape = {"vocab_size": m["vocab_size"], "hidden_size": d, "intermediate_size": round(8 * d / 3 / 64) * 64,
+             "num_hidden_layers": m["n_layer"], "num_attention_heads": m["n_head"]}  # fmt: skip
+    return hf.load_config(None, {"model_type": "llama", **shape, "max_position_embeddings": max(w.seq_len, 16),
+                                 "tie_word_embeddings": False})  # fmt: skip
 
 
 class _Logits(torch.nn.Module):
@@ -53,9 +53,7 @@ class _Logits(torch.nn.Module):
 def build_model(w: Workload) -> torch.nn.Module:
     """The workload's model, called ``model(tokens) -> logits``."""
     if w.family == "llama":
-        from transformers import LlamaForCausalLM
-
-        return _Logits(LlamaForCausalLM(llama_config(w)))
+        return _Logits(hf.build_model(llama_config(w)))
     return GPT(GPTConfig(**w.model))
 
 
@@ -130,7 +128,7 @@ def run_smart_infinity(system: str, w: Workload, disk: str | None) -> dict[str, 
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
-    from lightning_smartinf.strategy import SmartInfinityStrategy
+    from lightning_smartinf.lightning.strategy import SmartInfinityStrategy
 
     class Stamps(pl.Callback):
         def __init__(self) -> None:

@@ -35,9 +35,9 @@ def adam_state(n: int) -> list[np.ndarray]:
 def opencl_adam(n: int, platform: str) -> Callable[[int], None]:
     import pyopencl as cl
 
+    from lightning_smartinf.update.arguments import kernel_scalars
     from lightning_smartinf.update.opencl import DeviceSpec, build_program, find_device, launch_shape
     from lightning_smartinf.update.optimizers import OptimizerRule, StateSpec
-    from lightning_smartinf.update.smart import kernel_scalars
 
     device = find_device(DeviceSpec(platform=platform))
     ctx = cl.Context([device])

@@ -30,8 +30,8 @@ from lightning_smartinf.ecosystem.hf import (
     saved_dtype,
 )
 from lightning_smartinf.errors import ConfigError
+from lightning_smartinf.lightning.strategy import SmartInfinityStrategy
 from lightning_smartinf.models.gpt import GPTModule
-from lightning_smartinf.strategy import SmartInfinityStrategy
 
 log = logging.getLogger("smartinf-train")
 VOCAB_MULTIPLE = 64

@@ -1,5 +1,5 @@
 """A PNG of a run's curves from the CSV logger's metrics.csv: training/validation loss, and where each step's time
-went (compute, waits on storage, the exposed optimizer update; ``monitor.py``) with tokens/s over it."""
+went (compute, waits on storage, the exposed optimizer update; ``lightning/monitor.py``) with tokens/s over it."""
 
 from __future__ import annotations
 

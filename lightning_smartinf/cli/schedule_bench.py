@@ -31,9 +31,9 @@ import matplotlib
 import torch
 from torch.utils.data import DataLoader
 
+from lightning_smartinf.lightning.strategy import SmartInfinityStrategy
 from lightning_smartinf.models.gpt import GPTConfig, GPTModule
 from lightning_smartinf.storage.probe import probe_disk
-from lightning_smartinf.strategy import SmartInfinityStrategy
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

@@ -35,11 +35,11 @@ from lightning_smartinf.data.corpus import TextDataModule
 from lightning_smartinf.data.tokenizer import ByteTokenizer
 from lightning_smartinf.engine.snapshot import engine_nbytes
 from lightning_smartinf.errors import ConfigError, MissingPathError, StorageError
-from lightning_smartinf.monitor import SmartInfinityMonitor
+from lightning_smartinf.lightning.monitor import SmartInfinityMonitor
+from lightning_smartinf.lightning.strategy import SmartInfinityStrategy
+from lightning_smartinf.lightning.timeline import Trace
 from lightning_smartinf.resources import asset_dir
 from lightning_smartinf.storage.space import human_bytes
-from lightning_smartinf.strategy import SmartInfinityStrategy
-from lightning_smartinf.timeline import Trace
 
 log = logging.getLogger("smartinf-train")
 PREEMPTED = 143

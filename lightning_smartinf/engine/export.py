@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lightning_smartinf.checkpoint.export import DTYPES, plan_tensors, with_aliases, write_tensors
-from lightning_smartinf.core import Block
+from lightning_smartinf.core import Block, block_pairs, owned_slots
 from lightning_smartinf.ecosystem.adapters import Merge, lora_merges, merge_block, merged_name
 from lightning_smartinf.engine.snapshot import parameter_aliases
 from lightning_smartinf.errors import ConfigError
@@ -28,7 +28,7 @@ def export_live(engine: OffloadEngine, out: Path, dtype: str = "fp32", max_shard
     if dtype not in DTYPES:
         raise ConfigError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     target = DTYPES[dtype]
-    pairs, slots = engine.block_pairs, engine.owned_slots
+    pairs, slots = block_pairs(engine.layout, engine.frozen_layout), owned_slots(engine.layout, engine.frozen_layout)
     aliases = parameter_aliases(engine)
     owned = {slot.name for slot in slots} | set(aliases)
     extra = {k: v for k, v in engine.model.state_dict().items() if k not in owned}
@@ -73,7 +73,8 @@ def _merges(engine: OffloadEngine) -> list[Merge]:
     merges = lora_merges(engine.model)
     if not merges:
         raise ConfigError("merge_adapters=True: the model holds no LoRA adapters to merge")
-    block_of = {s.name: b.index for b, f in engine.block_pairs for s in b.slots + f.slots}
+    block_of = {s.name: b.index for b, f in block_pairs(engine.layout, engine.frozen_layout)
+                for s in b.slots + f.slots}  # fmt: skip
     for m in merges:
         homes = {block_of.get(m.base), block_of.get(m.lora_a), block_of.get(m.lora_b)}
         if len(homes) != 1 or homes == {0} or None in homes:

@@ -12,9 +12,19 @@ from concurrent.futures import Future
 
 import torch
 
-from lightning_smartinf.core import GRAD, Block, Layout, Subgroup
+from lightning_smartinf.core import GRAD, Block, Layout, ParamSlot, Subgroup
 from lightning_smartinf.storage.aligned import Allocator, BufferPool, typed_view
 from lightning_smartinf.storage.store import TensorStore, done_future, in_host_memory
+
+
+def gather_grads(slots: list[ParamSlot], flat: torch.Tensor) -> None:
+    """Move the parameters' autograd gradients into ``flat`` (their block's layout; zero where a parameter has
+    none) and drop them from the parameters."""
+    flat.zero_()
+    for slot in slots:
+        if slot.param.grad is not None:
+            flat[slot.offset : slot.offset + slot.numel].copy_(slot.param.grad.reshape(-1))
+            slot.param.grad = None
 
 
 class GradientAccumulator:

@@ -13,19 +13,18 @@ authoritative: a change made to the module's weights in between is not seen by t
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from lightning_smartinf.core import ParamSlot
+from lightning_smartinf.core import Block, ParamSlot
+from lightning_smartinf.engine.build import EngineParts
+from lightning_smartinf.engine.params import ParamStreamer
 from lightning_smartinf.errors import ConfigError
 from lightning_smartinf.memory import host_available_bytes
-from lightning_smartinf.schedule.horizontal import unwrap_blocks, wrap_blocks
+from lightning_smartinf.schedule.horizontal import BlockHooks
 from lightning_smartinf.storage.space import human_bytes
-
-if TYPE_CHECKING:
-    from lightning_smartinf.engine.engine import OffloadEngine
 
 log = logging.getLogger(__name__)
 
@@ -33,19 +32,19 @@ log = logging.getLogger(__name__)
 class WeightHandback:
     """Moves the parameters between the engine and the module (see the module docstring)."""
 
-    def __init__(self, engine: OffloadEngine) -> None:
-        self.engine = engine
-        self.slots = [slot for block in engine.layout.blocks for slot in block.slots]
-        self.frozen_slots = [slot for block in engine.frozen_layout.blocks for slot in block.slots]
+    def __init__(self, parts: EngineParts, model: nn.Module, device: torch.device, hooks: BlockHooks,
+                 masters: Callable[[Block], torch.Tensor], wait: Callable[[], None]) -> None:  # fmt: skip
+        """``masters``: a block's fp32 masters, gathered; ``wait``: until an overlapped step has finished."""
+        self.parts, self.model, self.device, self.hooks, self.masters, self.wait = parts, model, device, hooks, \
+            masters, wait  # fmt: skip
+        self.slots = [slot for block in parts.layout.blocks for slot in block.slots]
+        self.frozen_slots = [slot for block in parts.frozen_layout.blocks for slot in block.slots]
         """Frozen parameters of the streamed blocks: read back from their files (never kept aside in memory)."""
         self._frozen_sums: list[float] = []
         """Each handed-back frozen parameter's sum: ``take`` refuses a stage whose frozen weights were changed."""
         self.given: str | None = None
         self._swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
-        # without an optimizer nothing changes the weights, and the 16-bit copies may have rounded them: keep them
-        # (not for a model built on meta: its values came from init_from or its init, and stay there)
-        keep = engine.updater is None and not any(slot.param.is_meta for slot in self.slots)
-        self._originals = [slot.param.data for slot in self.slots] if keep else None
+        self._originals = parts.originals
 
     @property
     def nbytes(self) -> int:
@@ -63,12 +62,12 @@ class WeightHandback:
         (``meta``); the blocks' ``forward`` are the module's own again. Returns the mode used."""
         if self.given is not None:
             return self.given
-        engine = self.engine
-        engine.wait_step()
-        engine.release_blocks()
-        unwrap_blocks(engine.block_modules)
+        self.wait()
+        for streamer in self._streamers:
+            streamer.release_all()
+        self.hooks.unwrap()
         chosen = self.resolve(mode)
-        if engine.updater is None and self._originals is None:  # nothing to fill from: meta-built, not trained
+        if self.parts.updater is None and self._originals is None:  # nothing to fill from: meta-built, not trained
             chosen = "meta"
         if chosen == "module":
             self._fill()
@@ -77,37 +76,40 @@ class WeightHandback:
         self.given = chosen
         return chosen
 
+    @property
+    def _streamers(self) -> list[ParamStreamer]:
+        return [self.parts.params] + ([self.parts.frozen] if self.parts.frozen is not None else [])
+
     def _fill(self) -> None:
-        engine = self.engine
         self._fill_frozen()
         if self._originals is not None:
             for slot, original in zip(self.slots, self._originals, strict=True):
                 slot.param.data = original
             return
-        for block in engine.layout.blocks:
-            flat = engine.block_masters(block)
+        for block in self.parts.layout.blocks:
+            flat = self.masters(block)
             for slot in block.slots:
                 value = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
-                slot.param.data = value.to(device=engine.device, dtype=slot.dtype, copy=True)
+                slot.param.data = value.to(device=self.device, dtype=slot.dtype, copy=True)
 
     def _fill_frozen(self) -> None:
         """The streamed blocks' frozen parameters, read block by block from their files into tensors of their own."""
-        frozen = self.engine.frozen
+        frozen = self.parts.frozen
         if frozen is None:
             return
         self._frozen_sums = []
-        for block in self.engine.frozen_layout.streamed:
+        for block in self.parts.frozen_layout.streamed:
             flat = frozen.read_block(block.index)
             for slot in block.slots:
                 value = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
-                slot.param.data = value.to(device=self.engine.device, copy=True)
+                slot.param.data = value.to(device=self.device, copy=True)
                 self._frozen_sums.append(_checksum(slot.param.data))
 
     def _to_meta(self, mode: str) -> None:
         """Replace each engine-owned Parameter by a meta Parameter (one new object per shared one, so tied weights
         stay tied); the originals are kept for ``take``, since the optimizer holds them."""
         replacement = {id(s.param): _meta_like(s) for s in self.slots + self.frozen_slots}
-        for module in self.engine.model.modules():
+        for module in self.model.modules():
             for name, param in list(module._parameters.items()):
                 if param is not None and id(param) in replacement:
                     self._swapped.append((module, name, param))
@@ -121,13 +123,13 @@ class WeightHandback:
             "Write them out with trainer.strategy.export(DIR) (safetensors, block by block), or "
             "trainer.save_checkpoint(PATH) then `smartinf-export PATH OUT`; or set offload.return_weights=module "
             "to have them in the module",
-            why, self.engine.root,
+            why, self.parts.root,
         )  # fmt: skip
 
     def changed_status(self) -> list[str]:
         """Parameters whose ``requires_grad`` differs from what set-up laid out (changed between stages): the
         engine must be built anew for them to take effect."""
-        now = {name: p.requires_grad for name, p in self.engine.model.named_parameters()}
+        now = {name: p.requires_grad for name, p in self.model.named_parameters()}
         return ([s.name for s in self.slots if not now.get(s.name, True)]
                 + [s.name for s in self.frozen_slots if now.get(s.name, False)])  # fmt: skip
 
@@ -152,10 +154,9 @@ class WeightHandback:
         for module, name, param in self._swapped:
             module._parameters[name] = param
         self._swapped.clear()
-        engine = self.engine
-        for streamer in engine.streamers:
+        for streamer in self._streamers:
             streamer.attach()
-        engine.block_forwards = wrap_blocks(engine, engine.block_modules)
+        self.hooks.wrap()
         self.given = None
 
     def keep_in_module(self) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import torch
+
 
 @dataclass
 class DynamicLossScaler:
@@ -33,3 +35,10 @@ class DynamicLossScaler:
     def load_state_dict(self, state: dict[str, float]) -> None:
         for key, value in state.items():
             setattr(self, key, type(getattr(self, key))(value))
+
+
+def inverse_scale(scaler: DynamicLossScaler | None) -> float:
+    """GradScaler's fp32 reciprocal of the loss scale (1 without one), which clip_grad_norm_'s fp32 coefficient
+    then sees applied to the norm."""
+    scale = scaler.scale if scaler is not None else 1.0
+    return float(torch.tensor(scale, dtype=torch.float64).reciprocal().float())

@@ -1,6 +1,6 @@
 """Models built without their weights: parameters on the meta device, given values one block at a time at set-up.
 
-``meta_parameters()`` (``lightning_smartinf/meta.py``) is the context the strategy's
+``meta_parameters()`` (``lightning_smartinf/engine/meta.py``) is the context the strategy's
 ``tensor_init_context(empty_init=True)`` and ``model_sharded_context()`` (around ``configure_model``) enter: every
 parameter a module registers becomes a meta tensor of its shape and dtype, so building a 175B model costs no memory.
 Buffers stay real (rotary tables, masks: small, and computed by the modules' own

@@ -64,6 +64,11 @@ class OverlappedStep:
             self._progress.wait_for(lambda: self._done >= elements or self.failure is not None)
         self.raise_failure()
 
+    @property
+    def started(self) -> bool:
+        """A step was started and not joined yet (it may have finished)."""
+        return self._thread is not None
+
     def join(self) -> None:
         """Until the step has finished; raises its failure."""
         if self._thread is not None:

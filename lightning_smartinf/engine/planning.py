@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -12,8 +13,12 @@ from typing import TYPE_CHECKING, Any
 import psutil
 import torch
 
+from lightning_smartinf.config import ScheduleConfig
+from lightning_smartinf.errors import ConfigError
 from lightning_smartinf.schedule.kept import activation_bytes
+from lightning_smartinf.schedule.parked import ParkedVertical
 from lightning_smartinf.schedule.planner import Machine, Plan, Workload, measure_machine, plan, predict
+from lightning_smartinf.schedule.vertical import CheckpointTiers, VerticalSchedule, has_protocol
 from lightning_smartinf.schedule.window import tokens_of
 from lightning_smartinf.update.optimizers import torch_update
 from lightning_smartinf.update.smart import SmartUpdater
@@ -183,3 +188,25 @@ def plan_parked(engine: OffloadEngine, batch: Any, micro_batches: int) -> Plan:
     parts = predict(work, machine, True, micro_batches, 1.0, 1.0 if keep_bytes else 0.0)
     overlap = 1.0 if parts["step"] else 0.0  # never slower: each block waits only for its own update
     return Plan(micro_batches, overlap, 0.0, 0.0, parts["total"], parts, keep_bytes=keep_bytes)
+
+
+def vertical_schedule(engine: OffloadEngine, module: Any, s: ScheduleConfig, accumulate: int, clipping: bool,
+                      device: torch.device,
+                      keep_bytes: int | None = None) -> VerticalSchedule | ParkedVertical:  # fmt: skip
+    """The vertical schedule ``s`` describes for ``module``: the explicit protocol's where the module has
+    ``vertical_pre``/``vertical_loss`` (the fast path: checkpoints may go to host memory or storage), else its own
+    training_step parked at every block (its kept graphs: the ``keep_activations`` share of the blocks, or as many
+    as ``keep_bytes`` holds). One pass takes at most ``s.micro_batches`` x ``accumulate`` micro-batches;
+    ``clipping``: gradient clipping or fp16 loss scaling is on (both need the global norm before any update)."""
+    engine.configure_step(overlap=s.overlap)
+    if s.eager_update and clipping:
+        raise ConfigError(
+            "schedule.eager_update starts block updates before backward ends, so it cannot honour "
+            "gradient_clip_val or fp16 loss scaling (both need the global gradient norm first): turn one off"
+        )
+    most = s.micro_batches * accumulate  # micro-batches of one pass at most
+    if not has_protocol(module):
+        rounds = round(s.keep_activations * len(engine.layout.streamed)) if keep_bytes is None else sys.maxsize
+        return ParkedVertical(engine, most, s.eager_update, rounds, sys.maxsize if keep_bytes is None else keep_bytes)
+    tiers = CheckpointTiers(most, s.checkpoint_host, s.checkpoint_nvme, engine.disk, engine.counters, device)
+    return VerticalSchedule(engine, most, tiers, s.eager_update, s.keep_activations)

@@ -24,7 +24,7 @@ import torch
 
 from lightning_smartinf.checkpoint.files import copy_file
 from lightning_smartinf.checkpoint.manifest import COPY_THREADS, CheckpointWriter, Manifest
-from lightning_smartinf.core import MASTER
+from lightning_smartinf.core import MASTER, owned_slots
 from lightning_smartinf.engine.fence import FenceHold
 from lightning_smartinf.errors import ConfigError
 from lightning_smartinf.storage.store import TieredStore, stripe_of
@@ -157,7 +157,7 @@ def signature_differences(saved: dict[str, Any], current: dict[str, Any]) -> lis
 def module_state(engine: OffloadEngine, module: torch.nn.Module) -> dict[str, Any]:
     """``module``'s state dict less the parameters whose fp32 masters the engine holds (a checkpoint saves those as
     the engine's files): its buffers and the frozen parameters outside the streamed blocks."""
-    owned = {id(slot.param) for slot in engine.owned_slots}
+    owned = {id(slot.param) for slot in owned_slots(engine.layout, engine.frozen_layout)}
     trained = {name for name, p in module.named_parameters(remove_duplicate=False) if id(p) in owned}
     return {k: v for k, v in module.state_dict().items() if k not in trained}
 
@@ -262,4 +262,15 @@ def load_engine_state(engine: OffloadEngine, manifest: Manifest, prefix: str, me
     engine.step_count = meta["step_count"]
     if engine.scaler is not None and meta["loss_scaler"]:
         engine.scaler.load_state_dict(meta["loss_scaler"])
-    engine.republish_params()
+    republish_params(engine)
+
+
+def republish_params(engine: OffloadEngine) -> None:
+    """Rewrite every 16-bit parameter from its fp32 master (after the masters were restored)."""
+    assert engine.updater is not None
+    engine.wait_step()
+    engine.params.release_all()
+    for sg in engine.layout.subgroups:
+        engine.params.store_update(sg, engine.updater.read_master(sg))
+    engine.params.flush()
+    engine.params.gather_resident()

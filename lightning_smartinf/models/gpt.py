@@ -19,8 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
+from lightning_smartinf.engine.meta import building_on_meta
 from lightning_smartinf.errors import ConfigError
-from lightning_smartinf.meta import building_on_meta
 from lightning_smartinf.models.loss import inputs, next_token_loss, tokens_in_batch
 from lightning_smartinf.models.optim import configure
 

@@ -134,6 +134,22 @@ def wrap_blocks(runner: BlockRunner, modules: Sequence[nn.Module]) -> list[Calla
     return originals
 
 
+class BlockHooks:
+    """The blocks' ``forward`` routed through ``runner``'s streaming (``wrap``) or the modules' own again
+    (``unwrap``). ``forwards`` holds the original forwards, which schedules that stream blocks themselves call
+    directly: one list for the hooks' lifetime, refilled by each ``wrap``."""
+
+    def __init__(self, runner: BlockRunner, modules: Sequence[nn.Module]) -> None:
+        self.runner, self.modules = runner, modules
+        self.forwards: list[Callable[..., Any]] = []
+
+    def wrap(self) -> None:
+        self.forwards[:] = wrap_blocks(self.runner, self.modules)
+
+    def unwrap(self) -> None:
+        unwrap_blocks(self.modules)
+
+
 def unwrap_blocks(modules: Sequence[nn.Module]) -> None:
     for module in modules:
         if "forward" in module.__dict__:

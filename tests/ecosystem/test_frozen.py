@@ -14,7 +14,7 @@ from zoo import VOCAB, token_batches
 
 from lightning_smartinf.config import ScheduleConfig
 from lightning_smartinf.core import FROZEN, HOST_LINK
-from lightning_smartinf.strategy import SmartInfinityStrategy
+from lightning_smartinf.lightning.strategy import SmartInfinityStrategy
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -14,7 +14,7 @@ import torch
 from zoo import VOCAB, CausalLM, token_batches
 
 from lightning_smartinf.config import ScheduleConfig
-from lightning_smartinf.strategy import SmartInfinityStrategy
+from lightning_smartinf.lightning.strategy import SmartInfinityStrategy
 
 pytest.importorskip("transformers")
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from zoo import MODELS, VOCAB, CausalLM, token_batches
 
-from lightning_smartinf.strategy import SmartInfinityStrategy
+from lightning_smartinf.lightning.strategy import SmartInfinityStrategy
 
 LIBRARY = {"llama": "transformers", "gpt2": "transformers", "mixtral": "transformers", "litgpt": "litgpt"}
 

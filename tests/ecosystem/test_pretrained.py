@@ -15,7 +15,7 @@ from zoo import VOCAB, gpt2, llama, token_batches
 
 from lightning_smartinf.cli.export import main as export_main
 from lightning_smartinf.engine.pretrained import PretrainedError
-from lightning_smartinf.strategy import SmartInfinityStrategy
+from lightning_smartinf.lightning.strategy import SmartInfinityStrategy
 
 pytest.importorskip("transformers")
 

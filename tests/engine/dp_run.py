@@ -28,8 +28,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.checkpoint import latest_checkpoint
 from lightning_smartinf.engine.grads import GradientAccumulator
+from lightning_smartinf.engine.meta import meta_parameters
 from lightning_smartinf.engine.partition import Partition
-from lightning_smartinf.meta import meta_parameters
 from lightning_smartinf.models.gpt import GPTConfig, GPTModule
 
 TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=256, block_size=16)

@@ -19,7 +19,7 @@ from torch import nn
 
 from lightning_smartinf.config import OffloadConfig, UpdateConfig
 from lightning_smartinf.engine.engine import OffloadEngine
-from lightning_smartinf.meta import meta_parameters
+from lightning_smartinf.engine.meta import meta_parameters
 from lightning_smartinf.models.gpt import GPTModule
 
 
@@ -137,7 +137,7 @@ import resource, sys, torch
 from dataclasses import replace
 from lightning_smartinf.config import OffloadConfig, UpdateConfig
 from lightning_smartinf.engine.engine import OffloadEngine
-from lightning_smartinf.meta import meta_parameters
+from lightning_smartinf.engine.meta import meta_parameters
 from lightning_smartinf.models.gpt import GPTConfig, GPTModule
 layers, root = int(sys.argv[1]), sys.argv[2]
 with meta_parameters():

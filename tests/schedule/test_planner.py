@@ -11,9 +11,9 @@ import torch
 from helpers import fit, make_module, token_loader
 
 from lightning_smartinf.engine.planning import workload_of
+from lightning_smartinf.lightning.strategy import SmartInfinityStrategy
 from lightning_smartinf.schedule.kept import activation_bytes
 from lightning_smartinf.schedule.planner import Machine, Workload, kept_share, plan, predict
-from lightning_smartinf.strategy import SmartInfinityStrategy
 
 GB = 1e9
 

@@ -10,7 +10,7 @@ import torch
 from helpers import fit, make_module, token_loader
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from lightning_smartinf.strategy import SmartInfinityStrategy
+from lightning_smartinf.lightning.strategy import SmartInfinityStrategy
 
 MICRO_BATCH = 2
 

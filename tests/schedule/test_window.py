@@ -11,9 +11,9 @@ import pytest
 import torch
 from helpers import fit, make_module, token_loader
 
+from lightning_smartinf.lightning.strategy import SmartInfinityStrategy
 from lightning_smartinf.schedule.vertical import VerticalSchedule
 from lightning_smartinf.schedule.window import concat_batches, tokens_of
-from lightning_smartinf.strategy import SmartInfinityStrategy
 
 
 def strategy(path: Path, schedule: dict[str, Any] | None = None) -> SmartInfinityStrategy:
@@ -68,7 +68,7 @@ def test_micro_batches_and_accumulation_combine(tmp_path: Path) -> None:
 
 
 def test_the_default_plan_is_logged_with_its_reasons(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="lightning_smartinf.strategy"):
+    with caplog.at_level(logging.INFO, logger="lightning_smartinf.lightning.strategy"):
         fit(make_module(), strategy(tmp_path), max_steps=1, accumulate_grad_batches=2)
     text = caplog.text
     assert "schedule=auto: micro_batches=2" in text and "overlap=1.00" in text and "kept graphs" in text

@@ -12,23 +12,23 @@ import torch
 from faults import FaultPlan, FaultyBackend
 from helpers import fit, make_module
 
-from lightning_smartinf.engine import engine as engine_module
+from lightning_smartinf.engine import build as build_module
 from lightning_smartinf.errors import StorageError
 from lightning_smartinf.storage.store import CorruptReadError
 
 
 def train(smart: Any, monkeypatch: pytest.MonkeyPatch, plan: FaultPlan | None, **offload: Any) -> dict[str, Any]:
     """Six steps of the tiny GPT with every state file behind ``plan``'s faults; the masters after."""
-    real = engine_module.backend_for
+    real = build_module.backend_for
     if plan is not None:
-        monkeypatch.setattr(engine_module, "backend_for", lambda d, s=None: FaultyBackend(real(d, s), plan))
+        monkeypatch.setattr(build_module, "backend_for", lambda d, s=None: FaultyBackend(real(d, s), plan))
     strategy = smart(**offload)
     try:
         fit(make_module(), strategy, max_steps=6)
         return strategy.consolidated_state_dict()
     finally:
         strategy.close()
-        monkeypatch.setattr(engine_module, "backend_for", real)
+        monkeypatch.setattr(build_module, "backend_for", real)
 
 
 @pytest.mark.parametrize("kinds", [("read_eio",), ("bad_read",), ("write_eio",), ("read_eio", "bad_read", "write_eio")])

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from lightning_smartinf.update.arguments import kernel_scalars
 from lightning_smartinf.update.opencl import (
     KERNEL_SOURCE,
     SPARSE_SOURCE,
@@ -21,7 +22,6 @@ from lightning_smartinf.update.opencl import (
     launch_shape,
 )
 from lightning_smartinf.update.optimizers import OptimizerRule, StateSpec, torch_update
-from lightning_smartinf.update.smart import kernel_scalars
 
 RULES = {
     "adam": OptimizerRule("adam", (StateSpec("exp_avg", 0.0), StateSpec("exp_avg_sq", 0.0))),
@@ -99,7 +99,7 @@ def run_catch_up(platform: str, rule: str, values_dtype: torch.dtype, n: int = 1
     """adam_decay then adam_catch_up on the device; return (device tensors, PyTorch reference in float64)."""
     import pyopencl as cl
 
-    from lightning_smartinf.update.smart import catch_up_scalars
+    from lightning_smartinf.update.arguments import catch_up_scalars
 
     ctx, queue, program = open_program(platform, values_dtype, values_dtype, SPARSE_SOURCE)
     gen = torch.Generator().manual_seed(3)

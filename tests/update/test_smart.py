@@ -161,8 +161,8 @@ def test_device_buffers_are_page_locked_and_freed_at_close(smart) -> None:
 
 def test_every_kernel_argument_table_matches_its_signature() -> None:
     """The host's named tables are the kernels' signatures (NamedKernel refuses to build otherwise)."""
+    from lightning_smartinf.update.arguments import KERNEL_ARGUMENTS
     from lightning_smartinf.update.opencl import KERNEL_SOURCE, SPARSE_SOURCE, kernel_signatures
-    from lightning_smartinf.update.smart import KERNEL_ARGUMENTS
 
     declared = {**kernel_signatures(KERNEL_SOURCE), **kernel_signatures(SPARSE_SOURCE)}
     assert declared == KERNEL_ARGUMENTS
@@ -170,8 +170,8 @@ def test_every_kernel_argument_table_matches_its_signature() -> None:
 
 def test_a_table_that_drifts_from_the_kernel_is_refused_at_build() -> None:
     from lightning_smartinf.errors import SetupError
+    from lightning_smartinf.update.arguments import KERNEL_ARGUMENTS
     from lightning_smartinf.update.opencl import KERNEL_SOURCE, NamedKernel
-    from lightning_smartinf.update.smart import KERNEL_ARGUMENTS
 
     swapped = ("grad", "master", *KERNEL_ARGUMENTS["adam"][2:])
     with pytest.raises(SetupError, match="kernel adam .* takes .* but the host passes"):

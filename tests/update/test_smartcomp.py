@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import fit, make_module, relative_error, token_loader
 
-from lightning_smartinf.strategy import SmartInfinityStrategy
+from lightning_smartinf.lightning.strategy import SmartInfinityStrategy
 
 SMART = {"backend": "smart", "devices": 2}
 

@@ -23,15 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.types import _PATH, ReduceOp
@@ -53,10 +50,11 @@ from lightning_smartinf.config import (
     coerce,
 )
 from lightning_smartinf.engine.engine import OffloadEngine
+from lightning_smartinf.engine.meta import meta_parameters
 from lightning_smartinf.engine.snapshot import load_engine_state, module_state, take_snapshot, write_snapshot
 from lightning_smartinf.errors import ConfigError
-from lightning_smartinf.meta import meta_parameters
-from lightning_smartinf.precision import PARAM_DTYPES
+from lightning_smartinf.lightning.precision import PARAM_DTYPES
+from lightning_smartinf.lightning.ranks import Ranks
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +63,7 @@ ENGINE = "smart_infinity engine"
 engine's files beside it)."""
 
 
-class SmartInfinityFabricStrategy(ParallelStrategy):
+class SmartInfinityFabricStrategy(Ranks, ParallelStrategy):
     """SSD-offloaded training under Fabric, on one device or data parallel over many processes. Keywords as the
     Trainer strategy's (``offload=``, ``update=``, ``compression=``, ``schedule=``, ``init_from=``)."""
 
@@ -100,40 +98,10 @@ class SmartInfinityFabricStrategy(ParallelStrategy):
                 "so blocks run in its order: leave schedule at auto (or horizontal)"
             )
         self.init_from = init_from
-        self._num_nodes = 1
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+        self._init_ranks(process_group_backend, timeout)
         self.engine: OffloadEngine | None = None
         self.module: Module | None = None
         self.optimizer: Optimizer | None = None
-
-    # -- devices and processes ---------------------------------------------------------------------------------------
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def is_distributed(self) -> bool:
-        return self.num_nodes * self.num_processes > 1
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @override
     def _configure_launcher(self) -> None:
@@ -144,30 +112,13 @@ class SmartInfinityFabricStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        assert self.cluster_environment is not None
-        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        if self.is_distributed and not dist.is_initialized():
-            backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-            _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        self.set_world_ranks()
+        self.join_process_group()
 
     @override
     def all_reduce(self, tensor: Tensor, group: Any | None = None,
                    reduce_op: ReduceOp | str | None = "mean") -> Tensor:  # fmt: skip
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, Tensor) else tensor
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if dist.is_initialized():
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not dist.is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
 
     # -- the model -----------------------------------------------------------------------------------------------------
     @override

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from helpers import TINY, token_loader
 
-from lightning_smartinf.fabric import SmartInfinityFabricStrategy
+from lightning_smartinf.lightning.fabric import SmartInfinityFabricStrategy
 from lightning_smartinf.models.gpt import GPT
 
 LIBRARY = {"llama": "transformers", "litgpt": "litgpt"}

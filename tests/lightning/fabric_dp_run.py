@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from lightning_smartinf.fabric import SmartInfinityFabricStrategy
+from lightning_smartinf.lightning.fabric import SmartInfinityFabricStrategy
 from lightning_smartinf.models.gpt import GPT, GPTConfig
 
 TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=256, block_size=16)

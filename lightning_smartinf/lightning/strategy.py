@@ -9,7 +9,6 @@ engine) and saves checkpoints as directories holding the offloaded state.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -44,16 +43,16 @@ from lightning_smartinf.config import (
 )
 from lightning_smartinf.engine.engine import OffloadEngine
 from lightning_smartinf.engine.export import export_live
-from lightning_smartinf.engine.planning import plan_parked, plan_schedule
+from lightning_smartinf.engine.meta import meta_parameters
+from lightning_smartinf.engine.planning import plan_parked, plan_schedule, vertical_schedule
 from lightning_smartinf.engine.snapshot import load_engine_state, module_state, take_snapshot, write_snapshot
 from lightning_smartinf.errors import ConfigError
-from lightning_smartinf.meta import meta_parameters
-from lightning_smartinf.monitor import SmartInfinityMonitor
-from lightning_smartinf.precision import SmartInfinityPrecision
-from lightning_smartinf.processes import ProcessStrategy
+from lightning_smartinf.lightning.monitor import SmartInfinityMonitor
+from lightning_smartinf.lightning.precision import SmartInfinityPrecision
+from lightning_smartinf.lightning.processes import ProcessStrategy
 from lightning_smartinf.schedule.parked import ParkedVertical, split_batch
 from lightning_smartinf.schedule.planner import Plan
-from lightning_smartinf.schedule.vertical import CheckpointTiers, VerticalSchedule, has_protocol
+from lightning_smartinf.schedule.vertical import VerticalSchedule, has_protocol
 from lightning_smartinf.schedule.window import AccumulationWindow, Call, concat_batches
 from lightning_smartinf.storage.space import human_bytes
 
@@ -215,31 +214,9 @@ class SmartInfinityStrategy(ProcessStrategy):
             log.info("schedule=auto: manual optimization runs each training_step as written (horizontal)")
             self._kind = "horizontal"
         if self._kind == "vertical":
-            self.vertical = self._vertical_schedule(trainer, self.schedule)
+            self.vertical = self._schedule(self.schedule)
         if self._fitting and self._kind != "horizontal" and trainer.accumulate_grad_batches > 1:
             self.window = AccumulationWindow(trainer.accumulate_grad_batches)
-
-    def _vertical_schedule(self, trainer: pl.Trainer, s: ScheduleConfig,
-                           keep_bytes: int | None = None) -> VerticalSchedule | ParkedVertical:  # fmt: skip
-        """The explicit protocol's schedule where the module has ``vertical_pre``/``vertical_loss`` (the fast path:
-        checkpoints may go to host memory or storage), else its own training_step parked at every block (its kept
-        graphs: the ``keep_activations`` share of the blocks, or as many as ``keep_bytes`` holds)."""
-        assert self.engine is not None
-        self.engine.configure_step(overlap=s.overlap)
-        if s.eager_update and (trainer.gradient_clip_val or self.engine.scaler is not None):
-            raise ConfigError(
-                "schedule.eager_update starts block updates before backward ends, so it cannot honour "
-                "gradient_clip_val or fp16 loss scaling (both need the global gradient norm first): turn one off"
-            )
-        self._split = s.micro_batches
-        most = s.micro_batches * trainer.accumulate_grad_batches  # micro-batches of one pass at most
-        if not has_protocol(self.lightning_module):
-            rounds = round(s.keep_activations * len(self.engine.layout.streamed)) if keep_bytes is None else sys.maxsize
-            return ParkedVertical(self.engine, most, s.eager_update, rounds, sys.maxsize if keep_bytes is None
-                                  else keep_bytes)  # fmt: skip
-        tiers = CheckpointTiers(most, s.checkpoint_host, s.checkpoint_nvme, self.engine.disk, self.engine.counters,
-                                self.root_device)  # fmt: skip
-        return VerticalSchedule(self.engine, most, tiers, s.eager_update, s.keep_activations)
 
     def _auto_schedule(self, calls: list[Call]) -> VerticalSchedule | ParkedVertical:
         """Plan the vertical schedule for this pass's batches from short measurements of this machine. A window
@@ -260,7 +237,16 @@ class SmartInfinityStrategy(ProcessStrategy):
         settings = replace(self.schedule, kind="vertical", micro_batches=1 if window else chosen.micro_batches,
                            overlap=chosen.overlap, checkpoint_host=chosen.checkpoint_host,
                            checkpoint_nvme=chosen.checkpoint_nvme, keep_activations=chosen.keep_activations)
-        return self._vertical_schedule(self._trainer, settings, None if protocol else chosen.keep_bytes)
+        return self._schedule(settings, None if protocol else chosen.keep_bytes)
+
+    def _schedule(self, s: ScheduleConfig, keep_bytes: int | None = None) -> VerticalSchedule | ParkedVertical:
+        """The vertical schedule ``s`` asks for (engine/planning.py), each batch split into ``s.micro_batches``."""
+        assert self.engine is not None and self.lightning_module is not None and self._trainer is not None
+        trainer = self._trainer
+        clipping = bool(trainer.gradient_clip_val) or self.engine.scaler is not None
+        self._split = s.micro_batches
+        return vertical_schedule(self.engine, self.lightning_module, s, trainer.accumulate_grad_batches, clipping,
+                                 self.root_device, keep_bytes)  # fmt: skip
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -270,19 +256,16 @@ class SmartInfinityStrategy(ProcessStrategy):
             self.window.hold(args, kwargs)
             assert self._trainer is not None
             if self._trainer.fit_loop._should_accumulate():  # Lightning's own test: no optimizer step after this one
-                return self._held()
+                # held for the end of its window: no loss yet (a placeholder zero) and no backward of its own
+                assert isinstance(self.precision_plugin, SmartInfinityPrecision)
+                self.precision_plugin.backward_done = True
+                return torch.zeros((), device=self.root_device)
             calls = self.window.take()
         if self._kind == "auto" and self.vertical is None:
             self.vertical = self._auto_schedule(calls)
         if self.vertical is None:
             return super().training_step(*args, **kwargs)
         return self._run_vertical(calls)
-
-    def _held(self) -> torch.Tensor:
-        """A batch held for the end of its window: no loss yet (a placeholder zero) and no backward of its own."""
-        assert isinstance(self.precision_plugin, SmartInfinityPrecision)
-        self.precision_plugin.backward_done = True
-        return torch.zeros((), device=self.root_device)
 
     def _run_vertical(self, calls: list[Call]) -> torch.Tensor:
         """One vertical pass (forward, backward) over ``calls``' batches, each split into ``_split`` micro-batches;

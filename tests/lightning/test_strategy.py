@@ -9,7 +9,7 @@ from helpers import fit, make_module, relative_error, token_loader
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 import lightning_smartinf
-from lightning_smartinf.strategy import SmartInfinityStrategy
+from lightning_smartinf.lightning.strategy import SmartInfinityStrategy
 
 
 def test_registered_by_name_and_import_is_idempotent() -> None:

@@ -1,0 +1,429 @@
+"""An engine's parts, built from its config before the first step: the layouts, the state directories (checked,
+locked, each with its I/O backend), the parameter streamers, the updater, the gradient store, what the host memory
+budget places in RAM, and every block's starting state on storage.
+
+Set-up runs once and reads everything; run time (engine.py) only composes the parts it is given here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_smartinf.compress.topk import TopKCompressor
+from lightning_smartinf.config import CompressionConfig, OffloadConfig, UpdateConfig, parse_bytes
+from lightning_smartinf.core import FROZEN, HOST_LINK, Layout, ParamSlot, Subgroup, block_pairs, owned_slots
+from lightning_smartinf.engine.fence import StateFence
+from lightning_smartinf.engine.grads import GradientAccumulator
+from lightning_smartinf.engine.layout import build_layout
+from lightning_smartinf.engine.loss_scale import DynamicLossScaler
+from lightning_smartinf.engine.materialize import Materializer
+from lightning_smartinf.engine.overlap import OverlappedStep
+from lightning_smartinf.engine.params import ParamStreamer
+from lightning_smartinf.engine.partition import Partition
+from lightning_smartinf.engine.placement import HostPlacement, auto_budget, place
+from lightning_smartinf.engine.pretrained import PretrainedSource
+from lightning_smartinf.errors import ConfigError, HostMemoryError
+from lightning_smartinf.memory import host_available_bytes, release_free_heap
+from lightning_smartinf.schedule.horizontal import find_blocks
+from lightning_smartinf.storage.aligned import align_up, aligned_bytes
+from lightning_smartinf.storage.counters import TrafficCounters
+from lightning_smartinf.storage.io import IOBackend, IOSettings, backend_for
+from lightning_smartinf.storage.lock import StateLock
+from lightning_smartinf.storage.space import human_bytes, prepare_directory
+from lightning_smartinf.storage.store import FileStore, HostStore, StripedStore, TensorStore, TieredStore, stripe_of
+from lightning_smartinf.update.base import Updater
+from lightning_smartinf.update.cpu_adam import load_cpu_adam
+from lightning_smartinf.update.host import HostUpdater
+from lightning_smartinf.update.optimizers import OptimizerRule, rule_for, with_catch_up
+from lightning_smartinf.update.smart import SmartUpdater, device_specs
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Directories:
+    """The state directories this run took: their locks, I/O backends and stores (closed together)."""
+
+    io: IOSettings
+    check_free_space: bool
+    verify_io: bool
+    counters: TrafficCounters
+    locks: list[StateLock] = field(default_factory=list)
+    backends: list[IOBackend] = field(default_factory=list)
+    stores: list[FileStore] = field(default_factory=list)
+
+    def open(self, directory: Path, needed: int, key: str, link: str) -> FileStore:
+        """Check ``directory`` can hold ``needed`` bytes and lock it for this run (config key ``key``), give it its
+        own I/O backend, and count its traffic on ``link``."""
+        prepare_directory(directory, needed, self.check_free_space, key)
+        lock = StateLock(directory, key)
+        lock.acquire()
+        self.locks.append(lock)
+        backend = backend_for(directory, self.io)
+        self.backends.append(backend)
+        store = FileStore(directory, backend, self.counters, link, self.verify_io)
+        self.stores.append(store)
+        return store
+
+    def forget_written(self) -> None:
+        """State files were replaced outside the stores (a checkpoint restored): their write sums no longer hold."""
+        for store in self.stores:
+            store.forget_written()
+
+    def release_locks(self) -> None:
+        for lock in self.locks:
+            lock.release()
+        self.locks.clear()
+
+    def close(self) -> None:
+        for backend in self.backends:
+            backend.close()
+        self.release_locks()
+
+
+@dataclass
+class EngineParts:
+    """Everything an engine runs with, built by ``build``."""
+
+    rule: OptimizerRule | None
+    compression: CompressionConfig
+    scaler: DynamicLossScaler | None
+    counters: TrafficCounters
+    block_modules: list[nn.Module]
+    layout: Layout
+    """Blocks, flat buffers and subgroups of the trainable parameters (engine/layout.py)."""
+    frozen_layout: Layout
+    """The streamed blocks' frozen parameters (``requires_grad=False``): their own flat buffers and files."""
+    frozen_dtype: torch.dtype | None
+    itemsize: int
+    frozen_itemsize: int
+    partition: Partition
+    """This rank's share of every block and the collectives over it (engine/partition.py)."""
+    overlapped: OverlappedStep
+    """The step running behind the next forward: its thread, events and failure (engine/overlap.py)."""
+    fence: StateFence
+    """Subgroups a checkpoint in the background is still copying: the step waits there (engine/fence.py)."""
+    materializer: Materializer
+    """Gives meta parameters their values, or reads them from ``init_from`` (engine/materialize.py)."""
+    directories: Directories
+    disk: FileStore | StripedStore
+    """The state directories (``offload.nvme_path``), each with its own I/O backend."""
+    root: Path
+    backend: IOBackend
+    """The first directory's backend (named in logs and used by the planner's disk probe)."""
+    params: ParamStreamer
+    """16-bit parameters: read ahead per block, written back per updated subgroup (engine/params.py)."""
+    frozen: ParamStreamer | None
+    """Frozen parameters of the streamed blocks, in their own dtype, streamed with their block and never written
+    back (None when every streamed parameter trains)."""
+    updater: Updater | None
+    """The optimizer update: on the host or on near-storage devices (update/); None without an optimizer."""
+    grads: GradientAccumulator
+    """fp32 gradients between backward and the step (engine/grads.py)."""
+    grad_flat: torch.Tensor
+    """One streamed block's fp32 gradient, gathered from its parameters' ``.grad`` before it joins the store."""
+    placement: HostPlacement = field(default_factory=lambda: HostPlacement(0, False, frozenset(), 0))
+    """What ``offload.host_memory_budget`` put in host memory (engine/placement.py)."""
+    originals: list[torch.Tensor] | None = None
+    """Without an optimizer nothing changes the weights and the 16-bit copies may have rounded them, so the
+    trainable parameters' own tensors are kept for the hand-back (not for a model built on meta: its values came
+    from init_from or its init, and stay there)."""
+
+    @property
+    def pool_bytes(self) -> int:
+        """Host memory held by the buffer pools (fixed at set-up)."""
+        pools = self.params.host_bytes + self.grads.host_bytes + self.grad_flat.numel()
+        pools += self.frozen.host_bytes if self.frozen is not None else 0
+        return pools + (getattr(self.updater, "host_bytes", 0) or 0)
+
+
+def planned_storage_bytes(
+    layout: Layout, rule: OptimizerRule | None, cfg: OffloadConfig, itemsize: int, state_here: bool,
+    frozen: Layout | None = None, frozen_itemsize: int = 0,
+) -> list[int]:  # fmt: skip
+    """Bytes the files under each directory of ``nvme_path`` take (each padded to 4 KiB); ``state_here``: master,
+    state and gradients live here too (the host update), rather than in near-storage devices' directories;
+    ``frozen``: the streamed blocks' frozen parameters, ``frozen_itemsize`` bytes an element, beside the 16-bit
+    ones."""
+    totals = [0] * len(cfg.paths)
+    for sg in layout.subgroups:
+        fp32 = align_up(sg.numel * 4)
+        total = fp32 * (1 + len(rule.states)) if rule and state_here else 0
+        total += fp32 if cfg.grads == "nvme" and state_here else 0
+        streamed = not layout.blocks[sg.block].resident
+        total += align_up(sg.numel * itemsize) if cfg.params == "nvme" and streamed else 0
+        totals[stripe_of(sg.key, len(totals))] += total
+    for sg in frozen.subgroups if frozen is not None and cfg.params == "nvme" else ():
+        totals[stripe_of(sg.key, len(totals))] += align_up(sg.numel * frozen_itemsize)
+    return totals
+
+
+def rank_path(path: str, rank: int, world: int) -> Path:
+    """A rank's own directory: ``{rank}`` in ``path`` replaced, or, with several ranks and no ``{rank}``,
+    ``path/rank{rank}`` (two ranks never share a state directory)."""
+    if "{rank}" in path:
+        path = path.replace("{rank}", str(rank))
+    elif world > 1:
+        path = f"{path}/rank{rank}"
+    return Path(path).expanduser().resolve()
+
+
+def _frozen_dtype(layout: Layout) -> torch.dtype | None:
+    """The one dtype of the streamed blocks' frozen parameters (None: there are none)."""
+    dtypes = {slot.dtype for block in layout.streamed for slot in block.slots}
+    if len(dtypes) > 1:
+        names = {slot.dtype: slot.name for block in layout.streamed for slot in block.slots}
+        raise ConfigError("the frozen parameters of the streamed blocks mix dtypes (" + ", ".join(
+            f"{name}: {str(dtype).removeprefix('torch.')}" for dtype, name in names.items()) + "): give them one "
+            "dtype, e.g. model.requires_grad_(False).to(torch.bfloat16) before adding trainable adapters")  # fmt: skip
+    return dtypes.pop() if dtypes else None
+
+
+def optimizer_rule(optimizer: Optimizer | None, compression: CompressionConfig) -> OptimizerRule | None:
+    """The update rule of ``optimizer``; with SmartComp's catch-up, its catch-up form."""
+    rule = rule_for(optimizer) if optimizer is not None else None
+    if rule is not None and compression.kind == "topk":
+        if compression.catch_up:
+            return with_catch_up(rule)
+        if rule.name in ("adam", "adamw") and compression.error_feedback:
+            log.warning(
+                "compression.error_feedback=true without compression.catch_up=true: under Adam the saved-up "
+                "residual arrives as one normalised step, which trains worse than top-k alone "
+                "(docs/compression.md); add compression.catch_up=true"
+            )
+    return rule
+
+
+def build(model: nn.Module, optimizer: Optimizer | None, offload: OffloadConfig, update: UpdateConfig,
+          device: torch.device, param_dtype: torch.dtype, loss_scaling: bool = False,
+          compression: CompressionConfig | None = None, rank: int = 0, world: int = 1,
+          init_from: str | Path | None = None, ranks_per_host: int = 1) -> EngineParts:  # fmt: skip
+    """Every part of an engine for ``model``, its state directories locked and its starting state written (block by
+    block: set-up holds one block at a time whatever the model's size). On failure the locks are released."""
+    compression = compression or CompressionConfig()
+    rule = optimizer_rule(optimizer, compression)
+    block_list = find_blocks(model)
+    if not block_list:
+        raise ConfigError(
+            f"smart_infinity found no repeated blocks to stream in {type(model).__name__} (no nn.ModuleList with "
+            "parameters): define offload_blocks() on the LightningModule, returning the (name, module) pairs of "
+            "its layers, e.g. [(f'model.layers.{i}', layer) for i, layer in enumerate(self.model.layers)]"
+        )
+    groups = [g["params"] for g in optimizer.param_groups] if optimizer else [list(model.parameters())]
+    layout = build_layout(model, block_list, groups, offload.subgroup_size, rank, world)
+    fixed = [p for p in model.parameters() if not p.requires_grad]
+    frozen_layout = build_layout(model, block_list, [fixed], offload.subgroup_size, rank, world, frozen=True)
+    frozen_dtype = _frozen_dtype(frozen_layout)
+    itemsize = torch.empty((), dtype=param_dtype).element_size()
+    frozen_itemsize = torch.empty((), dtype=frozen_dtype).element_size() if frozen_dtype else 0
+    materializer = Materializer(model, PretrainedSource(init_from, model) if init_from else None, device)
+    materializer.check(dict(model.named_parameters()))
+    counters = TrafficCounters()
+    io = IOSettings(offload.io_backend, offload.io_threads, offload.aio_intra_op_parallelism, offload.aio_block_size,
+                    offload.aio_queue_depth)  # fmt: skip
+    directories = Directories(io, offload.check_free_space, offload.verify_io, counters)
+    roots = [rank_path(path, rank, world) for path in offload.paths]
+    needed = planned_storage_bytes(layout, rule, offload, itemsize, update.backend == "host", frozen_layout,
+                                   frozen_itemsize)  # fmt: skip
+    try:
+        stores = [
+            directories.open(root, nbytes, "offload.nvme_path" + (f"[{index}]" if len(roots) > 1 else ""), HOST_LINK)
+            for index, (root, nbytes) in enumerate(zip(roots, needed, strict=True))
+        ]
+        log.info("smart_infinity storage backend: %s%s", directories.backends[0].name,
+                 f"; state striped over {len(roots)} directories" if len(roots) > 1 else "")  # fmt: skip
+        disk: FileStore | StripedStore = stores[0] if len(stores) == 1 else StripedStore(stores)
+        partition, overlapped = Partition(layout), OverlappedStep(len(layout.blocks))
+        pin = device.type == "cuda"
+        param_store: TensorStore = disk if offload.params == "nvme" else HostStore(pin=pin)
+        allocator = disk.allocator if param_store is disk else None
+        gather_group = dist.new_group() if world > 1 else None  # the streamer's all-gathers, apart
+        params = ParamStreamer(layout, param_store, param_dtype, device, offload.prefetch, partition, allocator,
+                               overlapped, gather_group)  # fmt: skip
+        # the stores a placement may split between RAM and disk are built first, empty of RAM names, so that
+        # ``auto`` sees every buffer pool the engine allocates before it sizes the budget
+        budget = offload.host_memory_budget
+        placing = budget == "auto" or parse_bytes("offload.host_memory_budget", budget) > 0
+        frozen, frozen_tier = None, None
+        if frozen_dtype is not None:  # read only: nothing to wait for, a gather group of its own under DP
+            frozen_store: TensorStore = param_store
+            if placing and param_store is disk:
+                frozen_store = frozen_tier = TieredStore(disk, HostStore(pin=pin), frozenset())
+            frozen = ParamStreamer(frozen_layout, frozen_store, frozen_dtype, device, offload.prefetch,
+                                   Partition(frozen_layout), allocator, None,
+                                   dist.new_group() if world > 1 else None, kind=FROZEN)  # fmt: skip
+        host_update = rule is not None and update.backend == "host"
+        state_tier = TieredStore(disk, HostStore(), frozenset()) if placing and host_update else None
+        updater = None
+        if rule is not None:
+            updater = make_updater(rule, update, offload, layout, disk, roots[0], directories, state_tier,
+                                   param_dtype, compression, device)  # fmt: skip
+        grad_tier: TieredStore | None = None
+        if isinstance(updater, SmartUpdater) and offload.grads == "nvme":  # into the devices' own stores
+            grad_store: TensorStore = updater.gradient_store()
+        elif offload.grads == "nvme" and placing:
+            grad_store = grad_tier = TieredStore(disk, HostStore(), frozenset())
+        elif offload.grads == "nvme":
+            grad_store = disk
+        else:
+            grad_store = HostStore()
+        grad_allocator = None if isinstance(grad_store, HostStore) else disk.allocator  # any page-locked one serves
+        grads = GradientAccumulator(layout, grad_store, offload.step_lookahead, grad_allocator)
+        parts = EngineParts(rule, compression, DynamicLossScaler() if loss_scaling else None, counters,
+                            [m for _, m in block_list], layout, frozen_layout, frozen_dtype, itemsize,
+                            frozen_itemsize, partition, overlapped, StateFence(), materializer, directories, disk,
+                            roots[0], directories.backends[0], params, frozen, updater, grads,
+                            aligned_bytes(layout.max_block_numel * 4))  # fmt: skip
+        parts.placement = place_in_host_memory(parts, offload.host_memory_budget, ranks_per_host, device,
+                                               grad_tier is not None, state_tier is not None, frozen_tier is not None)
+        if grad_tier is not None and parts.placement.grads:
+            grad_tier.host_keys = frozenset(sg.key for sg in layout.subgroups)
+        if state_tier is not None:
+            state_tier.host_keys = parts.placement.state
+        if frozen_tier is not None:
+            frozen_tier.host_keys = parts.placement.frozen
+        check_host_memory(parts, device, needed)
+        slots = [slot for block in layout.blocks for slot in block.slots]
+        if updater is None and not any(slot.param.is_meta for slot in slots):
+            parts.originals = [slot.param.data for slot in slots]
+        write_initial_state(parts, model, device)
+    except BaseException:
+        directories.release_locks()
+        raise
+    return parts
+
+
+def make_updater(rule: OptimizerRule, update: UpdateConfig, offload: OffloadConfig, layout: Layout,
+                 disk: FileStore | StripedStore, root: Path, directories: Directories, tier: TieredStore | None,
+                 param_dtype: torch.dtype, compression: CompressionConfig,
+                 device: torch.device) -> Updater:  # fmt: skip
+    """The host update (its state in ``tier`` where a host memory budget may place some of it in RAM), or the
+    near-storage devices, each in a directory of its own."""
+    if update.backend == "host":
+        kernel = load_cpu_adam(update.host_adam) if rule.name in ("adam", "adamw") else None
+        return HostUpdater(rule, tier or disk, layout.max_subgroup_numel, offload.step_lookahead, kernel)
+    if update.wire == "16bit" and param_dtype == torch.float32:
+        raise ConfigError("update.wire=16bit needs a 16-bit training precision (bf16-mixed or 16-mixed)")
+    wire = param_dtype if update.wire == "16bit" else torch.float32
+    specs = [dataclasses.replace(s, path=str(rank_path(s.path, layout.rank, layout.world))) if s.path else s
+             for s in device_specs(update.devices)]  # fmt: skip
+
+    def make_store(directory: Path, link: str, needed: int) -> FileStore:
+        return directories.open(directory, needed, f"update.devices[{link.removeprefix('device')}].path", link)
+
+    compressor = TopKCompressor(compression, layout, device) if compression.kind == "topk" else None
+    return SmartUpdater(rule, specs, root, make_store, directories.counters, layout, wire, offload.grads == "nvme",
+                        compressor)  # fmt: skip
+
+
+def resident_bytes(parts: EngineParts, device: torch.device) -> int:
+    """Host memory of the resident block: its 16-bit copy, its autograd gradients and the fp32 gradient
+    gathered from them (on a GPU only the last stays on the host)."""
+    numel = parts.layout.resident.numel
+    return numel * (2 * parts.itemsize + 4) if device.type == "cpu" else numel * 4
+
+
+def working_bytes(parts: EngineParts) -> int:
+    """Set-up's working set: the largest block in its own dtype (frozen parameters too)."""
+    pairs = block_pairs(parts.layout, parts.frozen_layout)
+    return max((sum(s.nbytes for s in b.slots + f.slots) for b, f in pairs), default=0)
+
+
+def reserved_bytes(parts: EngineParts, device: torch.device) -> int:
+    """Host memory the engine takes whatever the budget: its buffer pools, the resident set, set-up's working
+    set."""
+    return parts.pool_bytes + resident_bytes(parts, device) + working_bytes(parts)
+
+
+def place_in_host_memory(parts: EngineParts, setting: str, ranks_per_host: int, device: torch.device, grads: bool,
+                         state: bool, frozen: bool) -> HostPlacement:  # fmt: skip
+    """``offload.host_memory_budget`` (``setting``): what of the state lives in host memory (engine/placement.py);
+    ``grads``, ``state`` and ``frozen``: whether the gradients, the optimizer state and the frozen weights may go
+    there. ``auto`` is half the available memory, shared by the ``ranks_per_host`` ranks, less the engine's own."""
+    if setting == "auto":
+        available, reserved = host_available_bytes(), reserved_bytes(parts, device)
+        budget = auto_budget(available, ranks_per_host, reserved)
+        log.info("smart_infinity host memory budget auto: half of %s available%s, less the %s the engine holds "
+                 "whatever the budget (pools, resident set, set-up's working set): %s", human_bytes(available),
+                 f" shared by {ranks_per_host} ranks" if ranks_per_host > 1 else "", human_bytes(reserved),
+                 human_bytes(budget))  # fmt: skip
+    else:
+        budget = parse_bytes("offload.host_memory_budget", setting)
+    kinds = len(parts.rule.states) if parts.rule is not None else 0
+    placement = place(budget, parts.layout, kinds, grads, state, parts.frozen_layout if frozen else None,
+                      parts.frozen_itemsize)  # fmt: skip
+    if budget:
+        log.info("smart_infinity %s", placement.describe(parts.layout, parts.frozen_layout))
+    return placement
+
+
+def check_host_memory(parts: EngineParts, device: torch.device, disk: list[int]) -> None:
+    """Say what host memory and disk this run takes, and refuse before writing any state when the memory on
+    top of the (already allocated) buffer pools does not fit what the host has left."""
+    resident, working, pools = resident_bytes(parts, device), working_bytes(parts), parts.pool_bytes
+    available = host_available_bytes()
+    log.info(
+        "smart_infinity host memory: buffer pools %s, resident set %s, set-up working set (the largest block in "
+        "its own dtype) %s; %s available; state on disk at most %s",
+        human_bytes(pools), human_bytes(resident), human_bytes(working), human_bytes(available),
+        " + ".join(human_bytes(n) for n in disk),
+    )  # fmt: skip
+    if resident + working > available:
+        raise HostMemoryError(
+            f"smart_infinity needs {human_bytes(resident + working)} of host memory beyond its buffer pools "
+            f"({human_bytes(pools)}, allocated): the resident set (embeddings, head, norms: "
+            f"{human_bytes(resident)}) and set-up's largest block ({human_bytes(working)}), but "
+            f"{human_bytes(available)} is available: stream more of the model as blocks (offload_blocks()), "
+            "train in 16-bit, or free memory"
+        )
+
+
+def write_initial_state(parts: EngineParts, model: nn.Module, device: torch.device) -> None:
+    """Write every block's starting state, one block at a time: its parameters get values where they have none
+    (meta) or come from ``init_from``, then its master and 16-bit copies go to storage and its host tensors are
+    freed, so set-up holds one block at a time whatever the model's size."""
+    owned = {id(slot.param) for slot in owned_slots(parts.layout, parts.frozen_layout)}
+    outside = [ParamSlot(n, p, 0, p.numel(), p.shape, p.dtype) for n, p in model.named_parameters()
+               if id(p) not in owned]  # fmt: skip
+    world = parts.layout.world
+    _share(parts.materializer.materialize(outside, None), world)
+    for slot in outside:  # frozen ones outside the blocks stay in the module, on the training device
+        if slot.param.device != device:
+            slot.param.data = slot.param.data.to(device)
+    if parts.materializer.pretrained is not None:
+        parts.materializer.pretrained.fill_buffers(model)
+    for block, fixed in block_pairs(parts.layout, parts.frozen_layout):
+        _share(parts.materializer.materialize(block.slots + fixed.slots, block), world)
+        if parts.updater is not None:
+            parts.updater.initialize(block.subgroups, lambda sg: initial_master(parts.layout, sg))
+        parts.params.initialize_block(block)
+        if parts.frozen is not None:
+            parts.frozen.initialize_block(fixed)
+        release_free_heap()
+
+
+def _share(initialized: list[ParamSlot], world: int) -> None:
+    """Data parallel: parameters a rank's init route just filled take rank 0's values (as DDP starts)."""
+    if world > 1:
+        for slot in initialized:
+            torch.distributed.broadcast(slot.param.data, 0)
+
+
+def initial_master(layout: Layout, sg: Subgroup) -> torch.Tensor:
+    """A subgroup's fp32 master, from its parameters' values at set-up."""
+    block = layout.blocks[sg.block]
+    flat = torch.zeros(sg.numel, dtype=torch.float32)
+    for slot in block.slots:
+        lo, hi = max(slot.offset, sg.offset), min(slot.offset + slot.numel, sg.offset + sg.numel)
+        if lo < hi:
+            values = slot.param.data.reshape(-1)[lo - slot.offset : hi - slot.offset]
+            flat[lo - sg.offset : hi - sg.offset].copy_(values)
+    return flat
