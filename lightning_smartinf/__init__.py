@@ -20,18 +20,12 @@ __version__ = "0.1.0"
 
 def _register() -> None:
     try:
-        from lightning.pytorch.strategies import StrategyRegistry
-    except ImportError:  # no Lightning: nothing to register with; the layers below the strategy work without it
+        import lightning  # noqa: F401
+    except ImportError:  # no Lightning: nothing to register with; the layers below it work without it
         return
-    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning_smartinf.lightning.registry import register
 
-    from lightning_smartinf.lightning.fabric import SmartInfinityFabricStrategy
-    from lightning_smartinf.lightning.strategy import SmartInfinityStrategy
-
-    if SmartInfinityStrategy.strategy_name not in StrategyRegistry:
-        SmartInfinityStrategy.register_strategies(StrategyRegistry)
-    if SmartInfinityFabricStrategy.strategy_name not in STRATEGY_REGISTRY:
-        SmartInfinityFabricStrategy.register_strategies(STRATEGY_REGISTRY)
+    register()
 
 
 def __getattr__(name: str) -> Any:

@@ -62,8 +62,8 @@ LAYERS: tuple[Layer, ...] = (
     Layer("lightning", ("lightning.*",),
           ("ground", "config", "storage", "compress", "update", "schedule", "checkpoint", "engine"),
           ("lightning", "matplotlib"),
-          "everything that speaks Lightning: the Trainer strategy, the Fabric strategy, precision, processes, "
-          "the monitor callback, the timeline"),
+          "everything that speaks Lightning: the Trainer strategy, the Fabric strategy, their names in Lightning's "
+          "registries, precision, processes and ranks, the monitor callback, the timeline"),
     Layer("models", ("models.*", "data.*"), ("ground", "ecosystem", "engine"), ("lightning", "safetensors", "numpy"),
           "the shipped GPT, HFCausalLM, the loss and optimizers they share; tokenizers, token caches, data modules"),
     Layer("tools", ("cli.*", "bench.*", "__init__"), tuple(), ("lightning", "hydra", "omegaconf", "matplotlib",

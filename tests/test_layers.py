@@ -115,3 +115,27 @@ print("ok")
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_the_package_root_registers_both_strategies_without_importing_them() -> None:
+    """``import lightning_smartinf`` names the strategies in both registries; the strategies and the engine are
+    imported when a Trainer or Fabric asks for one by name."""
+    import subprocess
+    import sys
+
+    script = """
+import sys
+import lightning_smartinf
+loaded = [m for m in sys.modules if m.startswith(("lightning_smartinf.engine", "lightning_smartinf.lightning.strategy",
+                                                  "lightning_smartinf.lightning.fabric"))]
+assert not loaded, loaded
+import lightning as L
+import lightning.pytorch as pl
+trainer = pl.Trainer(strategy="smart_infinity_cpu_params", accelerator="cpu", devices=1, logger=False)
+assert type(trainer.strategy).__name__ == "SmartInfinityStrategy" and trainer.strategy.offload.params == "cpu"
+fabric = L.Fabric(strategy="smart_infinity", accelerator="cpu", devices=1)
+assert type(fabric.strategy).__name__ == "SmartInfinityFabricStrategy"
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

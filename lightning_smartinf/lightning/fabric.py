@@ -27,7 +27,6 @@ from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
@@ -292,8 +291,3 @@ class SmartInfinityFabricStrategy(Ranks, ParallelStrategy):
     def teardown(self) -> None:
         self.close()
         super().teardown()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register(cls.strategy_name, cls, description="SSD-offloaded training (smart_infinity)")

@@ -21,7 +21,6 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
@@ -428,14 +427,3 @@ class SmartInfinityStrategy(ProcessStrategy):
         """Every parameter's fp32 master by name (reads all master state from storage)."""
         assert self.engine is not None, "the engine exists between setup and teardown"
         return self.engine.master_state_dict()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register(cls.strategy_name, cls, description="SSD-offloaded training (smart_infinity)")
-        strategy_registry.register(
-            "smart_infinity_cpu_params",
-            cls,
-            description="smart_infinity with 16-bit params and gradients in host RAM",
-            offload={"params": "cpu", "grads": "cpu"},
-        )
