@@ -4,22 +4,33 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+from torch import nn
 
 from lightning_smartinf.checkpoint.export import DTYPES, plan_tensors, with_aliases, write_tensors
-from lightning_smartinf.core import Block, block_pairs, owned_slots
+from lightning_smartinf.core import Block, Layout, block_pairs, owned_slots
 from lightning_smartinf.ecosystem.adapters import Merge, lora_merges, merge_block, merged_name
+from lightning_smartinf.engine.params import ParamStreamer
 from lightning_smartinf.engine.snapshot import parameter_aliases
 from lightning_smartinf.errors import ConfigError
 from lightning_smartinf.memory import release_free_heap
 
-if TYPE_CHECKING:
-    from lightning_smartinf.engine.engine import OffloadEngine
+
+class Exportable(Protocol):
+    """The parts of a live engine (``OffloadEngine`` is one) an export reads."""
+
+    model: nn.Module
+    layout: Layout
+    frozen_layout: Layout
+    frozen: ParamStreamer | None
+    step_count: int
+
+    def block_masters(self, block: Block) -> torch.Tensor: ...
 
 
-def export_live(engine: OffloadEngine, out: Path, dtype: str = "fp32", max_shard_bytes: int = 2_000_000_000,
+def export_live(engine: Exportable, out: Path, dtype: str = "fp32", max_shard_bytes: int = 2_000_000_000,
                 strip_prefix: str = "", write: bool = True, merge_adapters: bool = False) -> list[Path]:  # fmt: skip
     """The trained weights of a live engine, as ``export_safetensors`` writes them, read block by block from its
     masters and, for frozen weights, their files (a collective under data parallelism: every rank calls it,
@@ -29,7 +40,7 @@ def export_live(engine: OffloadEngine, out: Path, dtype: str = "fp32", max_shard
         raise ConfigError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     target = DTYPES[dtype]
     pairs, slots = block_pairs(engine.layout, engine.frozen_layout), owned_slots(engine.layout, engine.frozen_layout)
-    aliases = parameter_aliases(engine)
+    aliases = parameter_aliases(engine.model)
     owned = {slot.name for slot in slots} | set(aliases)
     extra = {k: v for k, v in engine.model.state_dict().items() if k not in owned}
     merges = _merges(engine) if merge_adapters else []
@@ -58,7 +69,7 @@ def export_live(engine: OffloadEngine, out: Path, dtype: str = "fp32", max_shard
     return write_tensors(out, plan, tensors, max_shard_bytes, metadata, strip_prefix)
 
 
-def _block_tensors(engine: OffloadEngine, block: Block, fixed: Block) -> dict[str, torch.Tensor]:
+def _block_tensors(engine: Exportable, block: Block, fixed: Block) -> dict[str, torch.Tensor]:
     """One block's parameters by name: the trained ones (fp32 masters), then the frozen ones (their own dtype)."""
     flat = engine.block_masters(block)
     tensors = {s.name: flat[s.offset : s.offset + s.numel].view(s.shape) for s in block.slots}
@@ -68,7 +79,7 @@ def _block_tensors(engine: OffloadEngine, block: Block, fixed: Block) -> dict[st
     return tensors
 
 
-def _merges(engine: OffloadEngine) -> list[Merge]:
+def _merges(engine: Exportable) -> list[Merge]:
     """The LoRA merges of the engine's model; each must lie within one streamed block."""
     merges = lora_merges(engine.model)
     if not merges:

@@ -18,38 +18,63 @@ import io
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from lightning_smartinf.checkpoint.files import copy_file
 from lightning_smartinf.checkpoint.manifest import COPY_THREADS, CheckpointWriter, Manifest
-from lightning_smartinf.core import MASTER, owned_slots
-from lightning_smartinf.engine.fence import FenceHold
+from lightning_smartinf.compress.topk import TopKCompressor
+from lightning_smartinf.core import MASTER, Layout, owned_slots
+from lightning_smartinf.engine.fence import FenceHold, StateFence
+from lightning_smartinf.engine.loss_scale import DynamicLossScaler
+from lightning_smartinf.engine.params import ParamStreamer
 from lightning_smartinf.errors import ConfigError
 from lightning_smartinf.storage.store import TieredStore, stripe_of
+from lightning_smartinf.update.base import Updater
+from lightning_smartinf.update.optimizers import OptimizerRule
 
-if TYPE_CHECKING:
-    from lightning_smartinf.engine.engine import OffloadEngine
+
+class Stateful(Protocol):
+    """The parts of an engine (``OffloadEngine`` is one) a snapshot reads and a restore sets."""
+
+    model: nn.Module
+    layout: Layout
+    frozen_layout: Layout
+    rule: OptimizerRule | None
+    updater: Updater | None
+    params: ParamStreamer
+    fence: StateFence
+    scaler: DynamicLossScaler | None
+    param_dtype: torch.dtype
+    step_count: int
+
+    @property
+    def compressor(self) -> TopKCompressor | None: ...
+
+    def wait_step(self) -> None: ...
+
+    def forget_written(self) -> None: ...
 
 RESIDUALS = "residuals.pt"
 
 
-def _state_dirs(engine: OffloadEngine) -> list[Path]:
+def _state_dirs(engine: Stateful) -> list[Path]:
     return engine.updater.state_directories() if engine.updater else []
 
 
-def _kinds(engine: OffloadEngine) -> tuple[str, ...]:
+def _kinds(engine: Stateful) -> tuple[str, ...]:
     return (MASTER, *(engine.rule.state_kinds if engine.rule else ()))
 
 
-def _in_ram(engine: OffloadEngine) -> TieredStore | None:
+def _in_ram(engine: Stateful) -> TieredStore | None:
     """The updater's state store where ``offload.host_memory_budget`` put some subgroups' state in host memory."""
     store = getattr(engine.updater, "store", None)
     return store if isinstance(store, TieredStore) else None
 
 
-def _ram_entries(engine: OffloadEngine) -> list[tuple[str, str, str]]:
+def _ram_entries(engine: Stateful) -> list[tuple[str, str, str]]:
     """(kind, key, path inside the checkpoint) of the state held in host memory: named as its file would be, so a
     checkpoint does not depend on the placement (resume with another budget, export without the engine)."""
     tiered = _in_ram(engine)
@@ -60,7 +85,7 @@ def _ram_entries(engine: OffloadEngine) -> list[tuple[str, str, str]]:
             for kind in _kinds(engine) for sg in engine.layout.subgroups if sg.key in tiered.host_keys]  # fmt: skip
 
 
-def _ram_tensors(engine: OffloadEngine) -> list[tuple[str, torch.Tensor, str]]:
+def _ram_tensors(engine: Stateful) -> list[tuple[str, torch.Tensor, str]]:
     """(subgroup key, live tensor, path inside the checkpoint) of the state in host memory that exists: as with
     files, before the first step there are masters but no optimizer state yet."""
     tiered = _in_ram(engine)
@@ -70,7 +95,7 @@ def _ram_tensors(engine: OffloadEngine) -> list[tuple[str, torch.Tensor, str]]:
             if tiered.host.exists(kind, key)]  # fmt: skip
 
 
-def state_files(engine: OffloadEngine) -> list[tuple[str, Path, str]]:
+def state_files(engine: Stateful) -> list[tuple[str, Path, str]]:
     """(subgroup key, live file, path inside the checkpoint ``state{i}/{kind}/{subgroup}``) for every state file,
     in the order the step updates the subgroups (so a save in the background copies first what is needed first)."""
     tiered = _in_ram(engine)
@@ -87,7 +112,7 @@ def state_files(engine: OffloadEngine) -> list[tuple[str, Path, str]]:
     return files
 
 
-def layout_record(engine: OffloadEngine) -> dict[str, Any]:
+def layout_record(engine: Stateful) -> dict[str, Any]:
     """The layout as plain data: enough to find any parameter's fp32 values in the saved master files; and the
     streamed blocks' frozen parameters, whose values a checkpoint does not hold (listed only where there are any,
     so a checkpoint of a model without them matches its earlier signature)."""
@@ -102,16 +127,16 @@ def layout_record(engine: OffloadEngine) -> dict[str, Any]:
             for b in engine.layout.blocks
         ],
         "subgroups": [[sg.key, sg.block, sg.param_group, sg.offset, sg.numel] for sg in engine.layout.subgroups],
-        "aliases": parameter_aliases(engine),
+        "aliases": parameter_aliases(engine.model),
         **({"frozen": frozen} if frozen else {}),
     }
 
 
-def parameter_aliases(engine: OffloadEngine) -> dict[str, str]:
+def parameter_aliases(model: nn.Module) -> dict[str, str]:
     """Second names of shared parameters (``state_dict`` lists each name), mapped to the name the layout uses."""
     first: dict[int, str] = {}
     aliases = {}
-    for name, param in engine.model.named_parameters(remove_duplicate=False):
+    for name, param in model.named_parameters(remove_duplicate=False):
         if id(param) in first:
             aliases[name] = first[id(param)]
         else:
@@ -119,7 +144,7 @@ def parameter_aliases(engine: OffloadEngine) -> dict[str, str]:
     return aliases
 
 
-def _signature(engine: OffloadEngine) -> dict[str, Any]:
+def _signature(engine: Stateful) -> dict[str, Any]:
     return {
         "layout": layout_record(engine),
         "optimizer": engine.rule.name if engine.rule else None,
@@ -154,7 +179,7 @@ def signature_differences(saved: dict[str, Any], current: dict[str, Any]) -> lis
     return found
 
 
-def module_state(engine: OffloadEngine, module: torch.nn.Module) -> dict[str, Any]:
+def module_state(engine: Stateful, module: torch.nn.Module) -> dict[str, Any]:
     """``module``'s state dict less the parameters whose fp32 masters the engine holds (a checkpoint saves those as
     the engine's files): its buffers and the frozen parameters outside the streamed blocks."""
     owned = {id(slot.param) for slot in owned_slots(engine.layout, engine.frozen_layout)}
@@ -162,7 +187,7 @@ def module_state(engine: OffloadEngine, module: torch.nn.Module) -> dict[str, An
     return {k: v for k, v in module.state_dict().items() if k not in trained}
 
 
-def engine_nbytes(engine: OffloadEngine) -> int:
+def engine_nbytes(engine: Stateful) -> int:
     """Bytes a checkpoint of the engine's state takes."""
     compressor = engine.compressor
     residuals = sum(compressor.residual_bytes.values()) if compressor is not None else 0
@@ -190,7 +215,7 @@ class EngineSnapshot:
                 + sum(t.numel() for _, t, _ in self.tensors))  # fmt: skip
 
 
-def take_snapshot(engine: OffloadEngine) -> EngineSnapshot:
+def take_snapshot(engine: Stateful) -> EngineSnapshot:
     """Snapshot the engine at a step boundary (waiting for an overlapped step): until ``write_snapshot`` has copied
     a subgroup's state (or ``hold.close()`` gives up), the next step waits before touching it."""
     engine.wait_step()
@@ -226,7 +251,7 @@ def write_snapshot(snapshot: EngineSnapshot, writer: CheckpointWriter, prefix: s
     return snapshot.meta
 
 
-def load_engine_state(engine: OffloadEngine, manifest: Manifest, prefix: str, meta: dict[str, Any]) -> None:
+def load_engine_state(engine: Stateful, manifest: Manifest, prefix: str, meta: dict[str, Any]) -> None:
     """Restore a verified checkpoint's engine state (written by ``save_engine_state`` under ``prefix``, which
     returned ``meta``)."""
     differences = signature_differences(meta["signature"], _signature(engine))
@@ -265,7 +290,7 @@ def load_engine_state(engine: OffloadEngine, manifest: Manifest, prefix: str, me
     republish_params(engine)
 
 
-def republish_params(engine: OffloadEngine) -> None:
+def republish_params(engine: Stateful) -> None:
     """Rewrite every 16-bit parameter from its fp32 master (after the masters were restored)."""
     assert engine.updater is not None
     engine.wait_step()
