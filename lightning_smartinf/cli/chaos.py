@@ -3,12 +3,17 @@ bit for bit with an uninterrupted run.
 
     smartinf-chaos --kills 20                                  # gpt_tiny, CLI defaults, 40 steps, saves every 2
     smartinf-chaos --kills 10 --steps 60 --every 4 -- update=smart schedule=vertical schedule.micro_batches=2
+    smartinf-chaos --kills 10 --kill-rank -- trainer.devices=2                  # data parallel: kill one rank
 
 One reference run trains ``--steps`` steps straight through. Then a chaos run on its own state and checkpoint
 directories is started, SIGKILLed after a random delay (one in five during start-up, set-up and restore, the rest
 spread over the steps still to run, so kills land in steps, saves and checkpoint removals too), and restarted with
 ``trainer.resume`` on its checkpoint directory, ``--kills`` times; a last restart runs to the end. A chain of runs
 that reaches the last step is compared with the reference and a new chain starts from nothing.
+
+With ``--kill-rank`` (data parallel runs) each kill takes one rank's process, chosen at random, and the others must
+stop on their own with the peer error within ``--peer-timeout`` seconds (counted as ``hung`` otherwise, and
+killed); every rank then restarts from the checkpoint.
 
 Reported: kills (by what the run was doing), resumes (restarts that found a checkpoint), exact (chains whose final
 fp32 weights equal the reference's bit for bit), lost (kills after which the newest intact checkpoint was older
@@ -29,6 +34,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import psutil
 import torch
 
 from lightning_smartinf.checkpoint.export import consolidated_state_dict
@@ -60,6 +66,10 @@ class ChaosReport:
     phases: dict[str, int] = field(default_factory=dict)
     """Kills by what the run was doing: start-up, restore, train, save."""
     steps_at_kill: list[int] = field(default_factory=list)
+    ranks_killed: dict[int, int] = field(default_factory=dict)
+    """``--kill-rank``: kills by the rank taken."""
+    hung: int = 0
+    """``--kill-rank``: kills after which a surviving rank did not stop on its own within the peer timeout."""
 
 
 def train_command(out: Path, state: Path, steps: int, every: int, extra: list[str], resume: bool) -> list[str]:
@@ -98,6 +108,32 @@ def count_corrupt(directory: Path) -> int:
     return bad
 
 
+def rank_processes(proc: subprocess.Popen[bytes]) -> list[psutil.Process]:
+    """The run's ranks: its own process (rank 0) and the training processes Lightning's launcher started."""
+    root = psutil.Process(proc.pid)
+    children = [c for c in root.children(recursive=True) if "lightning_smartinf.cli.train" in " ".join(c.cmdline())]
+    return [root, *children]
+
+
+def kill_one_rank(proc: subprocess.Popen[bytes], rng: random.Random, peer_timeout: float,
+                  report: ChaosReport) -> None:  # fmt: skip
+    """SIGKILL one rank at random; the others must stop on their own (the peer error) within ``peer_timeout``."""
+    try:
+        ranks = rank_processes(proc)
+    except psutil.NoSuchProcess:
+        return
+    rank = rng.randrange(len(ranks))
+    ranks[rank].kill()
+    report.ranks_killed[rank] = report.ranks_killed.get(rank, 0) + 1
+    others = [r for i, r in enumerate(ranks) if i != rank]
+    _, alive = psutil.wait_procs(others, timeout=peer_timeout)
+    if alive:
+        report.hung += 1
+        for survivor in alive:
+            survivor.kill()
+    proc.wait()
+
+
 def phase(log: str, ckpts: Path, pid: int) -> str:
     """What a run was doing when killed: saving (its staging directory exists), restoring (resuming, the state not
     yet restored), starting up (before any step), or training."""
@@ -108,7 +144,8 @@ def phase(log: str, ckpts: Path, pid: int) -> str:
     return "train" if SET_UP in log else "start-up"
 
 
-def campaign(root: Path, kills: int, steps: int, every: int, extra: list[str], seed: int) -> ChaosReport:
+def campaign(root: Path, kills: int, steps: int, every: int, extra: list[str], seed: int, kill_rank: bool = False,
+             peer_timeout: float = 120.0) -> ChaosReport:  # fmt: skip
     report = ChaosReport()
     rng = random.Random(seed)
     reference_log = root / "reference.log"
@@ -155,8 +192,11 @@ def campaign(root: Path, kills: int, steps: int, every: int, extra: list[str], s
                 proc.wait(timeout=delay)
             except subprocess.TimeoutExpired:
                 kind = phase(log_path.read_text(errors="replace"), ckpts, proc.pid)
-                proc.kill()
-                proc.wait()
+                if kill_rank:
+                    kill_one_rank(proc, rng, peer_timeout, report)
+                else:
+                    proc.kill()
+                    proc.wait()
                 report.kills += 1
                 report.phases[kind] = report.phases.get(kind, 0) + 1
                 after = newest_step(ckpts)
@@ -178,20 +218,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill times")
     parser.add_argument("--out", type=Path, default=Path("smartinf_chaos"), help="working directory (made fresh)")
     parser.add_argument("--json", type=Path, help="also write the report here")
+    parser.add_argument("--kill-rank", action="store_true", help="data parallel: kill one rank, not the whole run")
+    parser.add_argument("--peer-timeout", type=float, default=120.0,
+                        help="--kill-rank: seconds the other ranks have to stop on their own")
     parser.add_argument("overrides", nargs="*", help="smartinf-train overrides for every run (after --)")
     args = parser.parse_args(argv)
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)
-    report = campaign(args.out.absolute(), args.kills, args.steps, args.every, args.overrides, args.seed)
+    report = campaign(args.out.absolute(), args.kills, args.steps, args.every, args.overrides, args.seed,
+                      args.kill_rank, args.peer_timeout)
     phases = ", ".join(f"{k} {v}" for k, v in sorted(report.phases.items()))
     print("| kills | during | resumes | exact | lost | corrupt |\n|---|---|---|---|---|---|")
     print(f"| {report.kills} | {phases} | {report.resumes} | {report.exact_chains}/{report.chains} runs | "
           f"{report.lost} | {report.corrupt} |")  # fmt: skip
+    if args.kill_rank:
+        print(f"ranks killed: {dict(sorted(report.ranks_killed.items()))}; the others stopped on their own after "
+              f"{report.kills - report.hung} of {report.kills} kills")  # fmt: skip
     print(f"reference run {report.reference_s:.1f} s ({report.startup_s:.1f} s start-up); newest intact checkpoint "
           f"after each kill: steps {report.steps_at_kill}; logs: {args.out}/attempt*.log")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(asdict(report), indent=1))
-    if report.exact_chains < report.chains or report.lost or report.corrupt:
+    if report.exact_chains < report.chains or report.lost or report.corrupt or report.hung:
         raise SystemExit(1)
 
 
