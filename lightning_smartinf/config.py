@@ -275,3 +275,15 @@ def coerce(cls: type[T], value: T | dict[str, Any] | None, group: str) -> T:
             raise ConfigError(f"unknown {group} keys {unknown}; valid keys: {sorted(known)}")
         return cls(**dict(mapping.items()))
     raise TypeError(f"{group}= takes a dict or a {cls.__name__}, got {type(value).__name__}")
+
+
+def strategy_groups(
+    offload: OffloadConfig | dict[str, Any] | None, update: UpdateConfig | dict[str, Any] | None,
+    compression: CompressionConfig | dict[str, Any] | None, schedule: ScheduleConfig | dict[str, Any] | None,
+) -> tuple[OffloadConfig, UpdateConfig, CompressionConfig, ScheduleConfig]:  # fmt: skip
+    """The four groups a strategy (the Trainer's or Fabric's) is built with, each coerced (``coerce``) and the rules
+    across them checked (``check_combination``)."""
+    groups = (coerce(OffloadConfig, offload, "offload"), coerce(UpdateConfig, update, "update"),
+              coerce(CompressionConfig, compression, "compression"), coerce(ScheduleConfig, schedule, "schedule"))
+    check_combination(*groups[:3])
+    return groups

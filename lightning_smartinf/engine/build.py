@@ -138,6 +138,11 @@ class EngineParts:
     from init_from or its init, and stay there)."""
 
     @property
+    def streamers(self) -> list[ParamStreamer]:
+        """The trainable parameters' streamer, and the frozen ones' where the blocks have any."""
+        return [self.params] if self.frozen is None else [self.params, self.frozen]
+
+    @property
     def pool_bytes(self) -> int:
         """Host memory held by the buffer pools (fixed at set-up)."""
         pools = self.params.host_bytes + self.grads.host_bytes + self.grad_flat.numel()

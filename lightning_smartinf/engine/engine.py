@@ -136,8 +136,7 @@ class OffloadEngine:
     # -- the schedule's hooks (BlockRunner) ------------------------------------------------------------------------
     @property
     def streamers(self) -> list[ParamStreamer]:
-        """The trainable parameters' streamer, and the frozen ones' where the blocks have any."""
-        return [self.params] if self.frozen is None else [self.params, self.frozen]
+        return self.parts.streamers
 
     def enter_block(self, index: int, backward: bool) -> None:
         with trace.span(f"fetch {index}", "wait", block=index):

@@ -20,7 +20,6 @@ from torch import nn
 
 from lightning_smartinf.core import Block, ParamSlot
 from lightning_smartinf.engine.build import EngineParts
-from lightning_smartinf.engine.params import ParamStreamer
 from lightning_smartinf.errors import ConfigError
 from lightning_smartinf.memory import host_available_bytes
 from lightning_smartinf.schedule.horizontal import BlockHooks
@@ -35,8 +34,8 @@ class WeightHandback:
     def __init__(self, parts: EngineParts, model: nn.Module, device: torch.device, hooks: BlockHooks,
                  masters: Callable[[Block], torch.Tensor], wait: Callable[[], None]) -> None:  # fmt: skip
         """``masters``: a block's fp32 masters, gathered; ``wait``: until an overlapped step has finished."""
-        self.parts, self.model, self.device, self.hooks, self.masters, self.wait = parts, model, device, hooks, \
-            masters, wait  # fmt: skip
+        self.parts, self.model, self.device = parts, model, device
+        self.hooks, self.masters, self.wait = hooks, masters, wait
         self.slots = [slot for block in parts.layout.blocks for slot in block.slots]
         self.frozen_slots = [slot for block in parts.frozen_layout.blocks for slot in block.slots]
         """Frozen parameters of the streamed blocks: read back from their files (never kept aside in memory)."""
@@ -63,7 +62,7 @@ class WeightHandback:
         if self.given is not None:
             return self.given
         self.wait()
-        for streamer in self._streamers:
+        for streamer in self.parts.streamers:
             streamer.release_all()
         self.hooks.unwrap()
         chosen = self.resolve(mode)
@@ -75,10 +74,6 @@ class WeightHandback:
             self._to_meta(mode)
         self.given = chosen
         return chosen
-
-    @property
-    def _streamers(self) -> list[ParamStreamer]:
-        return [self.parts.params] + ([self.parts.frozen] if self.parts.frozen is not None else [])
 
     def _fill(self) -> None:
         self._fill_frozen()
@@ -154,7 +149,7 @@ class WeightHandback:
         for module, name, param in self._swapped:
             module._parameters[name] = param
         self._swapped.clear()
-        for streamer in self._streamers:
+        for streamer in self.parts.streamers:
             streamer.attach()
         self.hooks.wrap()
         self.given = None

@@ -45,8 +45,7 @@ from lightning_smartinf.config import (
     OffloadConfig,
     ScheduleConfig,
     UpdateConfig,
-    check_combination,
-    coerce,
+    strategy_groups,
 )
 from lightning_smartinf.engine.engine import OffloadEngine
 from lightning_smartinf.engine.meta import meta_parameters
@@ -86,11 +85,8 @@ class SmartInfinityFabricStrategy(Ranks, ParallelStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision=precision)  # fmt: skip
-        self.offload = coerce(OffloadConfig, offload, "offload")
-        self.update = coerce(UpdateConfig, update, "update")
-        self.compression = coerce(CompressionConfig, compression, "compression")
-        self.schedule = coerce(ScheduleConfig, schedule, "schedule")
-        check_combination(self.offload, self.update, self.compression)
+        self.offload, self.update, self.compression, self.schedule = strategy_groups(offload, update, compression,
+                                                                                    schedule)  # fmt: skip
         if self.schedule.kind == "vertical":
             raise ConfigError(
                 "schedule=vertical runs the Trainer's training_step block by block; under Fabric the loop is yours, "

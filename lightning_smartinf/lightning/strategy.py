@@ -37,8 +37,7 @@ from lightning_smartinf.config import (
     OffloadConfig,
     ScheduleConfig,
     UpdateConfig,
-    check_combination,
-    coerce,
+    strategy_groups,
 )
 from lightning_smartinf.engine.engine import OffloadEngine
 from lightning_smartinf.engine.export import export_live
@@ -91,11 +90,8 @@ class SmartInfinityStrategy(ProcessStrategy):
     ) -> None:
         super().__init__(process_group_backend, timeout, accelerator=accelerator, precision_plugin=precision_plugin,
                          parallel_devices=parallel_devices, cluster_environment=cluster_environment)  # fmt: skip
-        self.offload = coerce(OffloadConfig, offload, "offload")
-        self.update = coerce(UpdateConfig, update, "update")
-        self.compression = coerce(CompressionConfig, compression, "compression")
-        self.schedule = coerce(ScheduleConfig, schedule, "schedule")
-        check_combination(self.offload, self.update, self.compression)
+        self.offload, self.update, self.compression, self.schedule = strategy_groups(offload, update, compression,
+                                                                                    schedule)  # fmt: skip
         self.init_from = init_from
         """Pretrained weights to start from: a .safetensors file or a save_pretrained directory (sharded or not),
         read tensor by tensor into storage at set-up (``engine/pretrained.py``)."""
