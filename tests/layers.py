@@ -52,7 +52,7 @@ LAYERS: tuple[Layer, ...] = (
           "the host and near-storage updaters, OpenCL programs, optimizer rules"),
     Layer("schedule", ("schedule.*",), ("ground", "storage", "ecosystem"), (),
           "horizontal, parked and vertical schedules, kept graphs, accumulation windows, the planner"),
-    Layer("checkpoint", ("checkpoint.*",), ("ground", "storage"), ("numpy", "omegaconf"),
+    Layer("checkpoint", ("checkpoint.*",), ("ground", "storage"), ("numpy", "omegaconf", "crc32c"),
           "the crash-safe protocol, manifest, file copies, shards, offline export, the trainer state as data"),
     Layer("engine", ("engine.*",),
           ("ground", "config", "storage", "ecosystem", "compress", "update", "schedule", "checkpoint"),
@@ -67,7 +67,7 @@ LAYERS: tuple[Layer, ...] = (
     Layer("models", ("models.*", "data.*"), ("ground", "ecosystem", "engine"), ("lightning", "safetensors", "numpy"),
           "the shipped GPT, HFCausalLM, the loss and optimizers they share; tokenizers, token caches, data modules"),
     Layer("tools", ("cli.*", "bench.*", "__init__"), tuple(), ("lightning", "hydra", "omegaconf", "matplotlib",
-          "numpy", "psutil", "deepspeed", "pyopencl"),
+          "numpy", "psutil", "deepspeed", "pyopencl", "mfusepy"),
           "the commands (smartinf-train, -bench, -export, ...), the benchmark worker, and the package root, which "
           "registers both strategies where Lightning is installed"),
 )

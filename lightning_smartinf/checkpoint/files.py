@@ -1,24 +1,35 @@
 """Durable file writes for checkpoints: every byte hashed on its way to disk, fsynced, disk-full named.
 
 A checkpoint file is written once, by one of these helpers, so its SHA-256 comes for free with the write and the
-manifest can list it without a second read. ``os.write`` and ``hashlib`` both release the GIL, so several files
-copy in parallel threads.
+manifest can list it without a second read. ``os.write``, ``hashlib`` and ``crc32c`` all release the GIL, so several
+files copy in parallel threads.
+
+A copy of a live state file is checked on its way too: the CRC-32C of the bytes read must match the one the run
+recorded when it wrote the file (``WrittenSum``), so a disk that returns wrong bytes, or kept a torn write, cannot
+slip into a checkpoint under a valid SHA-256. A failed copy (an I/O error, a mismatch) is retried once with a
+warning, since a copy is idempotent; a second failure is an error naming the file.
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import os
 import shutil
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import crc32c
+
 from lightning_smartinf.errors import StorageError
 from lightning_smartinf.storage.aligned import ALIGNMENT, aligned_bytes
 from lightning_smartinf.storage.io import bytes_view
 from lightning_smartinf.storage.space import human_bytes
+from lightning_smartinf.storage.store import CorruptReadError, WrittenSum
+
+log = logging.getLogger(__name__)
 
 CHUNK = 8 << 20
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -30,6 +41,37 @@ class FileRecord:
 
     nbytes: int
     sha256: str
+    crc32c: int | None = None
+    """Of the whole file, where this process wrote it (not kept in the manifest)."""
+
+
+class Digest:
+    """The SHA-256 and CRC-32C of a stream of chunks, and the CRC-32C of its first ``expect.nbytes`` bytes, which
+    ``record`` checks against ``expect.crc``."""
+
+    def __init__(self, source: Path, expect: WrittenSum | None = None) -> None:
+        self.source, self.expect = source, expect
+        self.sha256 = hashlib.sha256()
+        self.crc = 0
+        self.size = 0
+        self.prefix_crc: int | None = None
+
+    def update(self, chunk: bytes | memoryview) -> None:
+        if self.expect is not None and self.size < self.expect.nbytes <= self.size + len(chunk):
+            self.prefix_crc = crc32c.crc32c(chunk[: self.expect.nbytes - self.size], self.crc)
+        self.sha256.update(chunk)
+        self.crc = crc32c.crc32c(chunk, self.crc)
+        self.size += len(chunk)
+
+    def record(self) -> FileRecord:
+        expect = self.expect
+        if expect is not None and expect.nbytes > 0 and self.prefix_crc != expect.crc:
+            found = "the file is shorter" if self.prefix_crc is None else f"CRC-32C {self.prefix_crc:08x}"
+            raise CorruptReadError(
+                f"copying {self.source}: its first {expect.nbytes} bytes differ from those this run wrote ({found}, "
+                f"written {expect.crc:08x}): the disk returned wrong data or kept a torn write"
+            )
+        return FileRecord(self.size, self.sha256.hexdigest(), self.crc)
 
 
 class DiskFullError(StorageError):
@@ -63,10 +105,10 @@ def read_chunks(path: Path) -> Iterator[memoryview]:
             yield view[:n]
 
 
-def write_chunks(path: Path, chunks: Iterable[bytes | memoryview]) -> FileRecord:
-    """Create ``path`` (it must not exist), write the chunks, fsync; return its size and SHA-256."""
-    digest = hashlib.sha256()
-    size = 0
+def write_chunks(path: Path, chunks: Iterable[bytes | memoryview], digest: Digest | None = None) -> FileRecord:
+    """Create ``path`` (it must not exist), write the chunks, fsync; return its size and sums (``digest``: the one
+    to feed, which may check a copy's source)."""
+    digest = digest if digest is not None else Digest(path)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         for chunk in chunks:
@@ -74,32 +116,54 @@ def write_chunks(path: Path, chunks: Iterable[bytes | memoryview]) -> FileRecord
             view = memoryview(chunk)
             while view:
                 view = view[os.write(fd, view) :]
-            size += len(chunk)
         os.fsync(fd)
     finally:
         os.close(fd)
-    return FileRecord(size, digest.hexdigest())
+    return digest.record()
 
 
-def copy_file(source: Path, target: Path, replace: bool = False) -> FileRecord:
-    """Copy with O_DIRECT where the size and filesystem allow (state files are 4 KiB multiples): it bypasses the
-    page cache, which cuts the time by 3x under a training process's memory pressure; buffered otherwise.
-    ``replace``: overwrite an existing ``target`` (restoring live state) instead of refusing to."""
+def copy_file(source: Path, target: Path, replace: bool = False, expect: WrittenSum | None = None) -> FileRecord:
+    """Copy ``source`` to ``target``, checking the bytes read against ``expect`` (see the module docstring) and
+    retrying once, with a warning, if the copy fails other than for a full disk. ``replace``: overwrite an existing
+    ``target`` (restoring live state) instead of refusing to."""
+    for attempt in (1, 2):
+        try:
+            return _copy_once(source, target, replace, expect)
+        except OSError as err:
+            target.unlink(missing_ok=True)  # no partial copy is left behind
+            if attempt == 2 or err.errno in FULL_ERRNOS:
+                raise
+            said = (err.strerror or err) if isinstance(err, StorageError) else err  # a StorageError names the file
+            log.warning("smart_infinity: %s; retrying once", said)
+    raise AssertionError("unreachable")
+
+
+def _copy_once(source: Path, target: Path, replace: bool, expect: WrittenSum | None) -> FileRecord:
+    """With O_DIRECT where the size and filesystem allow (state files are 4 KiB multiples): it bypasses the page
+    cache, which cuts the time by 3x under a training process's memory pressure; buffered otherwise."""
     if replace:
         target.unlink(missing_ok=True)
-    if source.stat().st_size % ALIGNMENT == 0 and hasattr(os, "O_DIRECT"):
-        try:
-            return _copy_direct(source, target)
-        except OSError as err:
-            if err.errno != errno.EINVAL:  # EINVAL: this filesystem has no O_DIRECT (tmpfs)
-                raise
-            target.unlink(missing_ok=True)
-    return write_chunks(target, read_chunks(source))
+    try:
+        if source.stat().st_size % ALIGNMENT == 0 and hasattr(os, "O_DIRECT"):
+            try:
+                return _copy_direct(source, target, expect)
+            except OSError as err:
+                if err.errno != errno.EINVAL:  # EINVAL: this filesystem has no O_DIRECT (tmpfs)
+                    raise
+                target.unlink(missing_ok=True)
+        return write_chunks(target, read_chunks(source), Digest(source, expect))
+    except StorageError:  # already names the file
+        raise
+    except OSError as err:
+        if err.filename is not None or err.errno in FULL_ERRNOS:
+            raise
+        name = errno.errorcode.get(err.errno or 0, "error")
+        raise StorageError(err.errno, f"copying {source} to {target} failed: {err.strerror or err} ({name})") from err
 
 
-def _copy_direct(source: Path, target: Path) -> FileRecord:
+def _copy_direct(source: Path, target: Path, expect: WrittenSum | None) -> FileRecord:
     view = bytes_view(aligned_bytes(CHUNK))
-    digest = hashlib.sha256()
+    digest = Digest(source, expect)
     offset = 0
     fin = os.open(source, os.O_RDONLY | os.O_DIRECT)
     try:
@@ -116,16 +180,14 @@ def _copy_direct(source: Path, target: Path) -> FileRecord:
             os.close(fout)
     finally:
         os.close(fin)
-    return FileRecord(offset, digest.hexdigest())
+    return digest.record()
 
 
 def hash_file(path: Path) -> FileRecord:
-    digest = hashlib.sha256()
-    size = 0
+    digest = Digest(path)
     for chunk in read_chunks(path):
         digest.update(chunk)
-        size += len(chunk)
-    return FileRecord(size, digest.hexdigest())
+    return digest.record()
 
 
 def fsync_directory(path: Path) -> None:

@@ -37,6 +37,7 @@ from lightning_smartinf.checkpoint.files import (
     write_chunks,
 )
 from lightning_smartinf.errors import SmartInfError
+from lightning_smartinf.storage.store import WrittenSum
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -136,9 +137,10 @@ class CheckpointWriter:
             self._directories.add(path.parent)
         return path
 
-    def copy(self, source: Path, relative: str) -> Future[FileRecord]:
-        """Copy ``source`` to ``relative`` inside the checkpoint (in a background thread); done once copied."""
-        future = self._pool.submit(copy_file, source, self._destination(relative))
+    def copy(self, source: Path, relative: str, expect: WrittenSum | None = None) -> Future[FileRecord]:
+        """Copy ``source`` to ``relative`` inside the checkpoint (in a background thread), its bytes checked against
+        ``expect`` (what the run wrote to it); done once copied."""
+        future = self._pool.submit(copy_file, source, self._destination(relative), False, expect)
         self._pending[relative] = future
         return future
 

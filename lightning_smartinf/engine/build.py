@@ -38,7 +38,15 @@ from lightning_smartinf.storage.counters import TrafficCounters
 from lightning_smartinf.storage.io import IOBackend, IOSettings, backend_for
 from lightning_smartinf.storage.lock import StateLock
 from lightning_smartinf.storage.space import human_bytes, prepare_directory
-from lightning_smartinf.storage.store import FileStore, HostStore, StripedStore, TensorStore, TieredStore, stripe_of
+from lightning_smartinf.storage.store import (
+    FileStore,
+    HostStore,
+    StripedStore,
+    TensorStore,
+    TieredStore,
+    WrittenSum,
+    stripe_of,
+)
 from lightning_smartinf.update.base import Updater
 from lightning_smartinf.update.cpu_adam import load_cpu_adam
 from lightning_smartinf.update.host import HostUpdater
@@ -73,10 +81,17 @@ class Directories:
         self.stores.append(store)
         return store
 
-    def forget_written(self) -> None:
-        """State files were replaced outside the stores (a checkpoint restored): their write sums no longer hold."""
+    def written(self, path: Path) -> WrittenSum | None:
+        """What this run wrote to the state file ``path``, as its store recorded it (None: nothing recorded)."""
+        return next((found for store in self.stores if (found := store.written(path)) is not None), None)
+
+    def replaced(self, files: dict[Path, WrittenSum]) -> None:
+        """State files were replaced outside the stores (a checkpoint restored): the sums recorded for earlier
+        writes no longer hold; later reads of ``files`` are checked against the sums of the bytes put there."""
         for store in self.stores:
             store.forget_written()
+            for path, written in files.items():
+                store.record_written(path, written)
 
     def release_locks(self) -> None:
         for lock in self.locks:

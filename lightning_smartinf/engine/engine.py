@@ -36,7 +36,7 @@ from lightning_smartinf.schedule.horizontal import BlockHooks
 from lightning_smartinf.storage.aligned import typed_view
 from lightning_smartinf.storage.counters import TrafficCounters
 from lightning_smartinf.storage.io import IOBackend
-from lightning_smartinf.storage.store import FileStore, StripedStore
+from lightning_smartinf.storage.store import FileStore, StripedStore, WrittenSum
 from lightning_smartinf.update.base import Updater
 from lightning_smartinf.update.optimizers import OptimizerRule, hyperparameters
 from lightning_smartinf.update.smart import SmartUpdater
@@ -119,9 +119,13 @@ class OffloadEngine:
         self.weights = WeightHandback(parts, model, device, self.hooks, self.block_masters, self.wait_step)
         """The trained weights back into the module between stages (engine/handback.py)."""
 
-    def forget_written(self) -> None:
-        """State files were replaced outside the stores (a checkpoint restored): their write sums no longer hold."""
-        self.directories.forget_written()
+    def written(self, path: Path) -> WrittenSum | None:
+        """What this run wrote to the state file ``path`` (a checkpoint's copy of it is checked against it)."""
+        return self.directories.written(path)
+
+    def replaced(self, files: dict[Path, WrittenSum]) -> None:
+        """State files were replaced outside the stores (a checkpoint restored with these sums)."""
+        self.directories.replaced(files)
 
     @property
     def compressor(self) -> TopKCompressor | None:

@@ -31,7 +31,7 @@ from lightning_smartinf.engine.fence import FenceHold, StateFence
 from lightning_smartinf.engine.loss_scale import DynamicLossScaler
 from lightning_smartinf.engine.params import ParamStreamer
 from lightning_smartinf.errors import ConfigError
-from lightning_smartinf.storage.store import TieredStore, stripe_of
+from lightning_smartinf.storage.store import TieredStore, WrittenSum, stripe_of
 from lightning_smartinf.update.base import Updater
 from lightning_smartinf.update.optimizers import OptimizerRule
 
@@ -55,7 +55,9 @@ class Stateful(Protocol):
 
     def wait_step(self) -> None: ...
 
-    def forget_written(self) -> None: ...
+    def written(self, path: Path) -> WrittenSum | None: ...
+
+    def replaced(self, files: dict[Path, WrittenSum]) -> None: ...
 
 RESIDUALS = "residuals.pt"
 
@@ -203,6 +205,8 @@ class EngineSnapshot:
 
     files: list[tuple[str, Path, str]]
     """(subgroup key, live file, path inside the checkpoint) of each state file."""
+    sums: dict[Path, WrittenSum]
+    """What the run wrote to each live file, as of the snapshot: each copy is checked against it."""
     tensors: list[tuple[str, torch.Tensor, str]]
     """(subgroup key, live host tensor, path inside the checkpoint) of the state held in host memory."""
     blobs: dict[str, bytes]
@@ -233,8 +237,9 @@ def take_snapshot(engine: Stateful) -> EngineSnapshot:
         "loss_scaler": engine.scaler.state_dict() if engine.scaler else None,
         "param_dtype": str(engine.param_dtype).removeprefix("torch."),
     }
+    sums = {live: written for _, live, _ in files if (written := engine.written(live)) is not None}
     hold = engine.fence.hold([key for key, _, _ in files] + [key for key, _, _ in tensors])
-    return EngineSnapshot(files, tensors, blobs, meta, hold)
+    return EngineSnapshot(files, sums, tensors, blobs, meta, hold)
 
 
 def write_snapshot(snapshot: EngineSnapshot, writer: CheckpointWriter, prefix: str) -> dict[str, Any]:
@@ -242,7 +247,8 @@ def write_snapshot(snapshot: EngineSnapshot, writer: CheckpointWriter, prefix: s
     the metadata for the manifest. The files copy on the writer's threads; ``writer.finish()`` waits for them."""
     hold = snapshot.hold
     for key, live, relative in snapshot.files:
-        writer.copy(live, f"{prefix}/{relative}").add_done_callback(lambda _, key=key: hold.done(key))  # type: ignore[misc]
+        copied = writer.copy(live, f"{prefix}/{relative}", snapshot.sums.get(live))
+        copied.add_done_callback(lambda _, key=key: hold.done(key))  # type: ignore[misc]
     for key, tensor, relative in snapshot.tensors:
         writer.write(f"{prefix}/{relative}", tensor.numpy().data.cast("B"))
         hold.done(key)
@@ -279,8 +285,11 @@ def load_engine_state(engine: Stateful, manifest: Manifest, prefix: str, meta: d
                 if saved.is_file() and sg.key not in in_ram:
                     copies.append((saved, state_dir / kind / sg.key))
     with ThreadPoolExecutor(max_workers=COPY_THREADS, thread_name_prefix="smartinf-restore") as pool:
-        list(pool.map(lambda pair: copy_file(pair[0], pair[1], replace=True), copies))
-    engine.forget_written()  # the files were replaced behind the stores' backs: their sums no longer hold
+        records = list(pool.map(lambda pair: copy_file(pair[0], pair[1], replace=True), copies))
+    # the files were replaced behind the stores' backs: later reads are checked against what the copies wrote
+    sums = {live: WrittenSum(record.nbytes, record.crc32c)
+            for (_, live), record in zip(copies, records, strict=True) if record.crc32c is not None}  # fmt: skip
+    engine.replaced(sums)
     compressor = engine.compressor
     if compressor is not None and compressor.has_state:
         compressor.load_state_dict(torch.load(root / RESIDUALS, weights_only=True))

@@ -337,9 +337,12 @@ class DeepSpeedAIO(_QueuedBackend):
 
 
 def reserve(path: Path, nbytes: int) -> None:
-    """Make sure ``path`` has ``nbytes`` allocated (a no-op for a file rewritten in place at its size)."""
+    """Make sure ``path`` has ``nbytes`` allocated (a no-op for a file rewritten in place at its size). Opened
+    read-write: where the file system has no ``fallocate`` (FUSE, NFS), glibc emulates it by reading each block's
+    first byte before writing it, which fails with EBADF on a write-only descriptor (seen retrying a failed write
+    on a file the first attempt had partly extended)."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             if os.fstat(fd).st_size < nbytes:
                 os.posix_fallocate(fd, 0, nbytes)

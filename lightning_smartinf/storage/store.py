@@ -11,6 +11,7 @@ import logging
 import zlib
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -27,6 +28,15 @@ log = logging.getLogger(__name__)
 
 class CorruptReadError(StorageError):
     """A file read back differs from what this run wrote to it (a disk or file system returning wrong bytes)."""
+
+
+@dataclass(frozen=True)
+class WrittenSum:
+    """What this run wrote to a file: the CRC-32C of its first ``nbytes``. A later read of the file, and a copy of
+    it into a checkpoint, are checked against it."""
+
+    nbytes: int
+    crc: int
 
 
 def crc32(buffer: torch.Tensor, payload: int) -> int:
@@ -73,7 +83,7 @@ class FileStore:
         self.link = link
         self.verify = verify
         self._dirs: set[str] = set()
-        self._sums: dict[tuple[str, str], int] = {}
+        self._sums: dict[tuple[str, str], WrittenSum] = {}
         self.retries = 0
         """Requests that failed once and succeeded when retried (each logged)."""
 
@@ -91,10 +101,12 @@ class FileStore:
         expected = self._sums.get((kind, key))
 
         def check() -> None:
-            if expected is not None and (found := crc32(buffer, payload)) != expected:
+            if expected is None or expected.nbytes > span.numel():
+                return
+            if (found := crc32(buffer, expected.nbytes)) != expected.crc:
                 raise CorruptReadError(
                     f"reading {payload} bytes of {kind} {key} from {path}: the bytes read differ from those written "
-                    f"in this run (CRC-32C {found:08x}, written {expected:08x}): the disk returned wrong data"
+                    f"in this run (CRC-32C {found:08x}, written {expected.crc:08x}): the disk returned wrong data"
                 )
 
         return self._with_retry(lambda: self.backend.read(path, span, urgent), check, f"reading {path}")
@@ -104,7 +116,8 @@ class FileStore:
         path, span = self.path(kind, key), buffer[: align_up(payload)]
         if not self.verify:
             return self.backend.write(path, span)
-        self._sums[(kind, key)] = crc32(buffer, payload)  # the buffer is final from here until the write is done
+        # the buffer is final from here until the write is done
+        self._sums[(kind, key)] = WrittenSum(payload, crc32(buffer, payload))
         return self._with_retry(lambda: self.backend.write(path, span), lambda: None, f"writing {path}")
 
     def _with_retry(self, submit: Callable[[], Future[None]], check: Callable[[], None], what: str) -> Future[None]:
@@ -141,6 +154,17 @@ class FileStore:
     def forget_written(self) -> None:
         """Drop every recorded sum: the files were replaced outside this store (a checkpoint restored)."""
         self._sums.clear()
+
+    def written(self, path: Path) -> WrittenSum | None:
+        """The sum this run recorded for the file at ``path`` (None: not one of this store's, or not yet written)."""
+        if not self.verify or path.parent.parent != self.root:
+            return None
+        return self._sums.get((path.parent.name, path.name))
+
+    def record_written(self, path: Path, written: WrittenSum) -> None:
+        """``path`` was written outside this store (a restored checkpoint's file): check later reads against it."""
+        if self.verify and path.parent.parent == self.root:
+            self._sums[(path.parent.name, path.name)] = written
 
     @property
     def roots(self) -> list[Path]:

@@ -77,12 +77,12 @@ def arm(point: str, strategy: SmartInfinityStrategy, module: GPTModule) -> None:
     elif point == "checkpoint":  # the save at step KILL_STEP (in the background) dies after copying three files
         original_copy = manifest.copy_file
 
-        def copy_file(source: Path, target: Path) -> Any:
+        def copy_file(source: Path, target: Path, *args: Any) -> Any:
             if f"step={KILL_STEP}.ckpt" in str(target):
                 seen["n"] += 1
                 if seen["n"] == 3:
                     die()
-            return original_copy(source, target)
+            return original_copy(source, target, *args)
 
         manifest.copy_file = copy_file
     elif point == "publish":  # last.ckpt is being replaced: old renamed away, new not yet renamed in

@@ -49,9 +49,9 @@ def slow_copies(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every checkpoint file copy takes a while, so the next step reaches subgroups not yet copied."""
     original = manifest.copy_file
 
-    def copy_file(source: Path, target: Path) -> Any:
+    def copy_file(source: Path, target: Path, *args: Any) -> Any:
         time.sleep(SLOW_COPY_S)
-        return original(source, target)
+        return original(source, target, *args)
 
     monkeypatch.setattr(manifest, "copy_file", copy_file)
 
@@ -80,10 +80,10 @@ def test_a_failed_background_save_stops_training_and_keeps_the_one_before(
 ) -> None:
     original = manifest.copy_file
 
-    def copy_file(source: Path, target: Path) -> Any:
+    def copy_file(source: Path, target: Path, *args: Any) -> Any:
         if "step=4" in str(target):
             raise OSError(5, "Input/output error (injected)")
-        return original(source, target)
+        return original(source, target, *args)
 
     monkeypatch.setattr(manifest, "copy_file", copy_file)
     with pytest.raises(CheckpointError, match=r"background save of .*step=4\.ckpt failed: .*Input/output error"):

@@ -13,6 +13,7 @@ from faults import FaultPlan, FaultyBackend
 from helpers import fit, make_module
 
 from lightning_smartinf.engine import build as build_module
+from lightning_smartinf.engine.engine import OffloadEngine
 from lightning_smartinf.errors import StorageError
 from lightning_smartinf.storage.store import CorruptReadError
 
@@ -76,3 +77,41 @@ def test_faults_tests_use_real_files(tmp_path: Path, smart) -> None:
     fit(make_module(), strategy, max_steps=1)
     strategy.close()
     assert any((tmp_path / "state").rglob("sg000000"))
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0x10
+    path.write_bytes(data)
+
+
+def test_a_state_file_damaged_before_a_save_is_not_saved(smart, tmp_path: Path) -> None:
+    """A disk that kept wrong bytes under a file no step has read since: the checkpoint's copy checks the bytes
+    against the run's write sum, so the damage cannot enter a checkpoint under a valid SHA-256."""
+    strategy = smart()
+    try:
+        trainer = fit(make_module(), strategy, max_steps=2)
+        _flip(next((tmp_path / "state" / "master").iterdir()))
+        with pytest.raises(CorruptReadError, match=r"copying .*/master/sg\d+: its first \d+ bytes differ"):
+            trainer.save_checkpoint(tmp_path / "ckpt")
+        assert not (tmp_path / "ckpt").exists()
+    finally:
+        strategy.close()
+
+
+def test_a_restored_state_file_is_checked_when_read(smart, monkeypatch, tmp_path: Path) -> None:
+    """A resume writes the live state files from the checkpoint outside the stores; their reads are checked against
+    the bytes it wrote, so a torn restore is an error, not a model trained on wrong state."""
+    strategy = smart()
+    trainer = fit(make_module(), strategy, max_steps=2)
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    strategy.close()
+    real = OffloadEngine.replaced
+
+    def torn(engine: OffloadEngine, files: dict[Path, Any]) -> None:
+        real(engine, files)
+        _flip(sorted(p for p in files if p.parent.name == "master")[0])
+
+    monkeypatch.setattr(OffloadEngine, "replaced", torn)
+    with pytest.raises(CorruptReadError, match=r"master sg000000 from .*/master/sg000000: the bytes read differ"):
+        fit(make_module(), smart(), max_steps=4, ckpt_path=str(tmp_path / "ckpt"))
