@@ -92,10 +92,10 @@ def outcome(fault: Fault, log: str, mountpoint: Path, failed: bool, exact: bool)
     """What became of one fault, from the training run's log (see the module docstring)."""
     named = str(mountpoint / fault.path)
     lines = [line for line in log.splitlines() if named in line]
+    if failed and any("retrying once" not in line for line in lines):  # the error that stopped the run names it
+        return "error"
     if any("retrying once" in line for line in lines):
         return "retried"
-    if failed and lines:
-        return "error"
     return "harmless" if exact else "silent"
 
 
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, default=3, help="runs per backend and kind set")
     parser.add_argument("--backends", default="aio,threads", help="offload.io_backend values, comma-separated")
     parser.add_argument("--kinds", default=",".join(KINDS), help="fault kinds run one at a time, then all mixed")
-    parser.add_argument("--rate", type=float, default=0.002, help="probability that a state file request fails")
+    parser.add_argument("--rate", type=float, default=0.001, help="probability that a state file request fails")
     parser.add_argument("--limit", type=int, default=4, help="most faults per run (each file at most once)")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps of each run")
     parser.add_argument("--every", type=int, default=5, help="trainer.checkpoint_every_n_steps")
