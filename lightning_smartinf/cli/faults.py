@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from lightning_smartinf.cli.chaos import final_weights, same_weights, train_command
+from lightning_smartinf.cli.chaos import final_weights, newest_step, same_weights, train_command
 from lightning_smartinf.cli.faultfs import KINDS
 
 STATE_FILES = "state/*/sg*"
@@ -53,7 +53,8 @@ class RunRecord:
     kinds: str
     seed: int
     returncode: int
-    resumed: bool
+    resumed_from: int | None
+    """The step of the checkpoint a stopped run was finished from (-1: none yet, started over; None: not stopped)."""
     exact: bool
     faults: list[Fault] = field(default_factory=list)
 
@@ -111,15 +112,18 @@ def run(root: Path, backend: str, kinds: str, seed: int, rate: float, limit: int
         returncode = subprocess.run(train_command(out, mountpoint / "state", steps, every, overrides, resume=False),
                                     stdout=log, stderr=subprocess.STDOUT).returncode  # fmt: skip
     text = train_log.read_text(errors="replace")
-    resumed = returncode != 0
-    if resumed:  # finish from the last checkpoint, on the same files without the faulty layer
+    resumed_from = None
+    if returncode != 0:  # finish from the last checkpoint, on the same files without the faulty layer
+        resumed_from = newest_step(out / "checkpoints")
+        if resumed_from < 0:  # it stopped before its first checkpoint: start over, as a user would
+            shutil.rmtree(source / "state", ignore_errors=True)
         with (work / "resume.log").open("w") as log:
-            cmd = train_command(out, source / "state", steps, every, overrides, resume=True)
+            cmd = train_command(out, source / "state", steps, every, overrides, resume=resumed_from >= 0)
             if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode != 0:
                 raise SystemExit(f"smartinf-faults: finishing {name} from its checkpoint failed: {work}/resume.log")
     exact = same_weights(expected, final_weights(out, steps))
     injected = [json.loads(line) for line in faults_log.read_text().splitlines()] if faults_log.exists() else []
-    record = RunRecord(backend, kinds, seed, returncode, resumed, exact)
+    record = RunRecord(backend, kinds, seed, returncode, resumed_from, exact)
     for item in injected:
         fault = Fault(backend, item["kind"], item["path"], item["offset"])
         fault.outcome = outcome(fault, text, mountpoint, returncode != 0, exact)
@@ -139,10 +143,11 @@ def table(records: list[RunRecord]) -> str:
             counts = [sum(f.outcome == o for f in of_kind) for o in OUTCOMES]
             rows.append(f"| {backend} | {kind} | {len(of_kind)} | " + " | ".join(map(str, counts)) + " |")
     runs = len(records)
-    stopped = sum(r.resumed for r in records)
+    stopped = [r.resumed_from for r in records if r.resumed_from is not None]
     exact = sum(r.exact for r in records)
-    rows.append(f"\n{runs} runs: {runs - stopped} finished through their faults, {stopped} stopped on an error and "
-                f"were finished from their last checkpoint; {exact}/{runs} bit-exact with the run without faults")
+    rows.append(f"\n{runs} runs: {runs - len(stopped)} finished through their faults, {len(stopped)} stopped on an "
+                f"error and were finished from their last checkpoint (steps {sorted(stopped)}; -1: none yet, started "
+                f"over); {exact}/{runs} bit-exact with the run without faults")
     return "\n".join(rows)
 
 
