@@ -262,20 +262,21 @@ def build(model: nn.Module, optimizer: Optimizer | None, offload: OffloadConfig,
                  f"; state striped over {len(roots)} directories" if len(roots) > 1 else "")  # fmt: skip
         disk: FileStore | StripedStore = stores[0] if len(stores) == 1 else StripedStore(stores)
         partition, overlapped = Partition(layout), OverlappedStep(len(layout.blocks))
-        pin = device.type == "cuda"
-        param_store: TensorStore = disk if offload.params == "nvme" else HostStore(pin=pin)
-        allocator = disk.allocator if param_store is disk else None
-        gather_group = dist.new_group() if world > 1 else None  # the streamer's all-gathers, apart
-        params = ParamStreamer(layout, param_store, param_dtype, device, offload.prefetch, partition, allocator,
-                               overlapped, gather_group)  # fmt: skip
+        pin, on_disk = device.type == "cuda", offload.params == "nvme"
         # the stores a placement may split between RAM and disk are built first, empty of RAM names, so that
         # ``auto`` sees every buffer pool the engine allocates before it sizes the budget
         budget = offload.host_memory_budget
         placing = budget == "auto" or parse_bytes("offload.host_memory_budget", budget) > 0
+        param_tier = TieredStore(disk, HostStore(pin=pin), frozenset()) if placing and on_disk else None
+        param_store: TensorStore = param_tier or (disk if on_disk else HostStore(pin=pin))
+        allocator = disk.allocator if on_disk else None
+        gather_group = dist.new_group() if world > 1 else None  # the streamer's all-gathers, apart
+        params = ParamStreamer(layout, param_store, param_dtype, device, offload.prefetch, partition, allocator,
+                               overlapped, gather_group)  # fmt: skip
         frozen, frozen_tier = None, None
         if frozen_dtype is not None:  # read only: nothing to wait for, a gather group of its own under DP
-            frozen_store: TensorStore = param_store
-            if placing and param_store is disk:
+            frozen_store: TensorStore = disk if on_disk else param_store
+            if placing and on_disk:
                 frozen_store = frozen_tier = TieredStore(disk, HostStore(pin=pin), frozenset())
             frozen = ParamStreamer(frozen_layout, frozen_store, frozen_dtype, device, offload.prefetch,
                                    Partition(frozen_layout), allocator, None,
@@ -303,7 +304,10 @@ def build(model: nn.Module, optimizer: Optimizer | None, offload: OffloadConfig,
                             roots[0], directories.backends[0], params, frozen, updater, grads,
                             aligned_bytes(layout.max_block_numel * 4))  # fmt: skip
         parts.placement = place_in_host_memory(parts, offload.host_memory_budget, ranks_per_host, device,
-                                               grad_tier is not None, state_tier is not None, frozen_tier is not None)
+                                               grad_tier is not None, state_tier is not None, frozen_tier is not None,
+                                               param_tier is not None)  # fmt: skip
+        if param_tier is not None:
+            param_tier.host_keys = parts.placement.params
         if grad_tier is not None and parts.placement.grads:
             grad_tier.host_keys = frozenset(sg.key for sg in layout.subgroups)
         if state_tier is not None:
@@ -364,10 +368,11 @@ def reserved_bytes(parts: EngineParts, device: torch.device) -> int:
 
 
 def place_in_host_memory(parts: EngineParts, setting: str, ranks_per_host: int, device: torch.device, grads: bool,
-                         state: bool, frozen: bool) -> HostPlacement:  # fmt: skip
+                         state: bool, frozen: bool, params: bool) -> HostPlacement:  # fmt: skip
     """``offload.host_memory_budget`` (``setting``): what of the state lives in host memory (engine/placement.py);
-    ``grads``, ``state`` and ``frozen``: whether the gradients, the optimizer state and the frozen weights may go
-    there. ``auto`` is half the available memory, shared by the ``ranks_per_host`` ranks, less the engine's own."""
+    ``grads``, ``state``, ``frozen`` and ``params``: whether the gradients, the optimizer state, the frozen weights
+    and the 16-bit parameters may go there. ``auto`` is half the available memory, shared by the ``ranks_per_host``
+    ranks, less the engine's own."""
     if setting == "auto":
         available, reserved = host_available_bytes(), reserved_bytes(parts, device)
         budget = auto_budget(available, ranks_per_host, reserved)
@@ -379,7 +384,7 @@ def place_in_host_memory(parts: EngineParts, setting: str, ranks_per_host: int, 
         budget = parse_bytes("offload.host_memory_budget", setting)
     kinds = len(parts.rule.states) if parts.rule is not None else 0
     placement = place(budget, parts.layout, kinds, grads, state, parts.frozen_layout if frozen else None,
-                      parts.frozen_itemsize)  # fmt: skip
+                      parts.frozen_itemsize, parts.itemsize if params else 0)  # fmt: skip
     if budget:
         log.info("smart_infinity %s", placement.describe(parts.layout, parts.frozen_layout))
     return placement

@@ -1,13 +1,15 @@
 """What of the offloaded state lives in host memory instead of on storage, within ``offload.host_memory_budget``.
 
-GreedySnake keeps in RAM whatever fits a budget, by value per byte. The fp32 gradients come first: kept on disk
-they cross it twice per step (written in backward, read by the step), 8 B/param for 4 B/param of memory. Then the
-subgroups' master and optimizer state (Adam: 12 B/param of memory, 24 B/param of disk traffic per step saved),
-first subgroups first: the overlapped step updates in forward order, so the blocks the next forward needs first
-get the fastest updates. Then the streamed blocks' frozen weights (a LoRA base), first blocks first: read twice per
-iteration or more (forward and backward, per micro-batch horizontally), never written, in their own dtype: at least
-the same disk bytes saved per byte of memory. Whatever does not fit stays on storage; a budget of 0 keeps everything
-there.
+GreedySnake keeps in RAM whatever fits a budget, by value per byte. The 16-bit parameters come first: kept on disk
+they are read by every forward and backward (per micro-batch horizontally) and written by every step, at least 3 B of
+disk traffic saved per byte of memory, and the next forward finds each block's update where the step left it instead
+of waiting for it to go to disk and back. Then the fp32 gradients: kept on disk they cross it twice per step
+(written in backward, read by the step), 8 B/param for 4 B/param of memory. Then the subgroups' master and
+optimizer state (Adam: 12 B/param of memory, 24 B/param of disk traffic per step saved), first subgroups first: the
+overlapped step updates in forward order, so the blocks the next forward needs first get the fastest updates. Then
+the streamed blocks' frozen weights (a LoRA base), first blocks first: read twice per iteration or more (forward and
+backward, per micro-batch horizontally), never written, in their own dtype: at least the same disk bytes saved per
+byte of memory. Whatever does not fit stays on storage; a budget of 0 keeps everything there.
 """
 
 from __future__ import annotations
@@ -29,13 +31,16 @@ class HostPlacement:
     """Host memory the placement takes."""
     frozen: frozenset[str] = frozenset()
     """Frozen-weight subgroups (by key, in the frozen layout) held in host memory."""
+    params: frozenset[str] = frozenset()
+    """Subgroups (by key) whose 16-bit parameters live in host memory."""
 
     def describe(self, layout: Layout, frozen_layout: Layout | None = None) -> str:
         if not self.nbytes:
             return f"host memory budget {human_bytes(self.budget)}: everything on storage"
         total = max(len(layout.subgroups), 1)
-        text = (f"host memory budget {human_bytes(self.budget)}: gradients in {'RAM' if self.grads else 'storage'}, "
-                f"master and optimizer state of {len(self.state)} of {total} subgroups in RAM")  # fmt: skip
+        text = (f"host memory budget {human_bytes(self.budget)}: 16-bit parameters of {len(self.params)} of {total} "
+                f"subgroups, gradients in {'RAM' if self.grads else 'storage'}, master and optimizer state of "
+                f"{len(self.state)} of {total} subgroups in RAM")  # fmt: skip
         if frozen_layout is not None and frozen_layout.subgroups:
             text += f", frozen weights of {len(self.frozen)} of {len(frozen_layout.subgroups)} subgroups in RAM"
         return f"{text}; {human_bytes(self.nbytes)} placed"
@@ -48,15 +53,21 @@ def auto_budget(available: int, ranks: int, reserved: int) -> int:
     return max(0, available // (2 * ranks) - reserved)
 
 
-def place(budget: int, layout: Layout, state_kinds: int, grads: bool, state: bool,
-          frozen: Layout | None = None, frozen_itemsize: int = 0) -> HostPlacement:  # fmt: skip
-    """Fill ``budget`` bytes: the fp32 gradients (where ``grads``: they would otherwise go to storage), then whole
-    subgroups' state (``1 + state_kinds`` fp32 tensors each; where ``state``: the host update's state, the host's to
-    keep), then whole subgroups of the ``frozen`` layout (``frozen_itemsize`` bytes an element)."""
-    grad_bytes = 4 * layout.local_numel
+def place(budget: int, layout: Layout, state_kinds: int, grads: bool, state: bool, frozen: Layout | None = None,
+          frozen_itemsize: int = 0, params_itemsize: int = 0) -> HostPlacement:  # fmt: skip
+    """Fill ``budget`` bytes: whole subgroups' 16-bit parameters (``params_itemsize`` bytes an element; 0: they are
+    not the budget's to place), then the fp32 gradients (where ``grads``: they would otherwise go to storage), then
+    whole subgroups' state (``1 + state_kinds`` fp32 tensors each; where ``state``: the host update's state, the
+    host's to keep), then whole subgroups of the ``frozen`` layout (``frozen_itemsize`` bytes an element)."""
+    params: list[str] = []
     left, in_ram, used = budget, False, 0
+    if params_itemsize:
+        streamed = [sg for sg in layout.subgroups if not layout.blocks[sg.block].resident]  # resident: in RAM already
+        params, used = _first_fitting(streamed, params_itemsize, left)
+        left -= used
+    grad_bytes = 4 * layout.local_numel
     if grads and grad_bytes <= left:
-        in_ram, left, used = True, left - grad_bytes, grad_bytes
+        in_ram, left, used = True, left - grad_bytes, used + grad_bytes
     keys: list[str] = []
     if state:
         keys, taken = _first_fitting(layout.subgroups, 4 * (1 + state_kinds), left)
@@ -65,7 +76,7 @@ def place(budget: int, layout: Layout, state_kinds: int, grads: bool, state: boo
     if frozen is not None and (len(keys) == len(layout.subgroups) or not state):  # the state first, all of it
         fixed, taken = _first_fitting(frozen.subgroups, frozen_itemsize, left)
         used += taken
-    return HostPlacement(budget, in_ram, frozenset(keys), used, frozenset(fixed))
+    return HostPlacement(budget, in_ram, frozenset(keys), used, frozenset(fixed), frozenset(params))
 
 
 def _first_fitting(subgroups: list[Subgroup], bytes_per_element: int, left: int) -> tuple[list[str], int]:

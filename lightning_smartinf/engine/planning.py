@@ -32,15 +32,17 @@ log = logging.getLogger(__name__)
 def workload_of(engine: OffloadEngine, batch: Any, checkpoint_bytes_per_sample: int,
                 kept_block_bytes: int = 0, resident_forward_s: float = 0.0) -> Workload:  # fmt: skip
     """Bytes and tokens of one iteration on ``batch`` (a (b, t+1) token tensor, any (b, ...) tensor, or a dict of
-    them). The step's disk bytes leave out what ``offload.host_memory_budget`` (or ``offload.grads=cpu``) placed in
-    host memory."""
+    them). The disk bytes leave out what ``offload.host_memory_budget`` (or ``offload.params=cpu``,
+    ``offload.grads=cpu``) placed in host memory."""
     params = engine.layout.num_params
-    streamed = sum(b.numel for b in engine.layout.streamed) * engine.itemsize
+    placed = sum(sg.numel for sg in engine.layout.subgroups if sg.key in engine.placement.params)
+    streamed_on_disk = sum(b.numel for b in engine.layout.streamed) - placed if engine.cfg.params == "nvme" else 0
+    streamed = streamed_on_disk * engine.itemsize
     states = len(engine.rule.states) if engine.rule else 0
     local = engine.layout.local_numel  # the elements this rank steps (all of them on one process)
     grads_on_disk = engine.cfg.grads == "nvme" and not engine.placement.grads
     grad_read = 4 * local if grads_on_disk else 0
-    params_write = engine.itemsize * local if engine.cfg.params == "nvme" else 0
+    params_write = engine.itemsize * (local - placed) if engine.cfg.params == "nvme" else 0
     if isinstance(engine.updater, SmartUpdater):  # gradients out, parameters back; state stays in the devices
         step_read, step_write = 4 * local, 4 * local + params_write
     else:  # gradient, master and state in; master and state out; 16-bit params out

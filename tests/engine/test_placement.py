@@ -25,7 +25,7 @@ def strategy(root: Path, budget: str) -> SmartInfinityStrategy:
                                           "host_memory_budget": budget}, update={"host_adam": "torch"})  # fmt: skip
 
 
-def test_the_budget_takes_gradients_first_then_whole_subgroups_in_forward_order(smart, tmp_path: Path) -> None:
+def test_the_budget_takes_parameters_then_gradients_then_subgroups_in_forward_order(smart, tmp_path: Path) -> None:
     trainer = fit(make_module(), smart(), max_steps=1)
     layout = trainer.strategy.engine.layout
     grads = 4 * layout.local_numel
@@ -35,6 +35,13 @@ def test_the_budget_takes_gradients_first_then_whole_subgroups_in_forward_order(
     assert place(grads - 1, layout, 3, True, True).grads is False
     assert place(10**12, layout, 3, grads=True, state=False).state == frozenset()  # SmartUpdate: the devices' state
     assert place(10**12, layout, 3, grads=False, state=True).grads is False  # offload.grads=cpu: in RAM already
+    # the 16-bit parameters of the streamed blocks come before everything (the resident block's are in RAM already)
+    streamed = [sg for sg in layout.subgroups if not layout.blocks[sg.block].resident]
+    every = 2 * sum(sg.numel for sg in streamed)
+    placed = place(every + grads, layout, 3, grads=True, state=True, params_itemsize=2)
+    assert placed.params == {sg.key for sg in streamed} and placed.grads and not placed.state
+    placed = place(2 * streamed[0].numel, layout, 3, grads=True, state=True, params_itemsize=2)
+    assert placed.params == {streamed[0].key} and not placed.grads
     with pytest.raises(ConfigError, match="offload.host_memory_budget='lots' is not a size"):
         strategy(tmp_path, "lots")
 
@@ -45,12 +52,14 @@ def test_state_in_host_memory_trains_as_plain_lightning(tmp_path: Path, budget: 
     fit(reference, precision="32-true", gradient_clip_val=0.5)
     trainer = fit(make_module("adamw"), strategy(tmp_path, budget), precision="32-true", gradient_clip_val=0.5)
     engine = trainer.strategy.engine
-    assert engine.placement.grads and engine.placement.state
+    streamed = [sg.key for sg in engine.layout.subgroups if not engine.layout.blocks[sg.block].resident]
+    assert engine.placement.params == set(streamed) and engine.placement.state  # the parameters first
     assert relative_error(trainer.strategy.consolidated_state_dict(), reference) < 1e-5
     read = engine.counters.total(link="host", kind="master", direction="read")
     everything = len(engine.layout.subgroups) == len(engine.placement.state)
     assert (read == 0) == everything  # what is in RAM crosses no storage link
-    assert engine.counters.total(link="host", kind="grad") == 0
+    assert engine.counters.total(link="host", kind="param") == 0
+    assert (engine.counters.total(link="host", kind="grad") == 0) == engine.placement.grads
 
 
 def test_state_and_gradients_in_ram_are_updated_where_they_are_stored(tmp_path: Path) -> None:
@@ -108,8 +117,8 @@ def test_auto_takes_half_the_available_memory_less_the_engines_own_shared_by_the
     assert reserved >= engine.host_memory_bytes > 0
     assert engine.ranks_per_host == 1 and engine.placement.budget == 32 * 2**20 - reserved
     # as for a second process on this host (trainer.devices=2)
-    assert build_module.place_in_host_memory(engine.parts, "auto", 2, engine.device, True, True,
-                                             False).budget == 16 * 2**20 - reserved  # fmt: skip
+    assert build_module.place_in_host_memory(engine.parts, "auto", 2, engine.device, True, True, False,
+                                             True).budget == 16 * 2**20 - reserved  # fmt: skip
 
 
 def test_the_default_budget_places_nothing_where_the_engine_needs_half_the_memory_for_itself(
