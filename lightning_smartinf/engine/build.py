@@ -86,10 +86,9 @@ class Directories:
         return next((found for store in self.stores if (found := store.written(path)) is not None), None)
 
     def replaced(self, files: dict[Path, WrittenSum]) -> None:
-        """State files were replaced outside the stores (a checkpoint restored): the sums recorded for earlier
-        writes no longer hold; later reads of ``files`` are checked against the sums of the bytes put there."""
+        """State files were replaced outside the stores (a checkpoint restored): later reads of ``files`` are
+        checked against the sums of the bytes put there, not those of this run's earlier writes."""
         for store in self.stores:
-            store.forget_written()
             for path, written in files.items():
                 store.record_written(path, written)
 

@@ -73,7 +73,7 @@ class FileStore:
     that file in this run is checked against it, so a disk that returns wrong bytes (a flipped bit, a torn or lost
     write) is caught when the data is used, not at the next resume. Reads and whole-file writes are idempotent: a
     failed one (an I/O error, a CRC mismatch) is retried once, with a warning; a second failure is an error that
-    names the file. Files from an earlier run have no sum here (a resume checks its checkpoint's SHA-256 instead)."""
+    names the file. A restore records the sums of the files it wrote (``record_written``)."""
 
     def __init__(self, root: Path, backend: IOBackend, counters: TrafficCounters, link: str,
                  verify: bool = False) -> None:  # fmt: skip
@@ -150,10 +150,6 @@ class FileStore:
 
     def exists(self, kind: str, key: str) -> bool:
         return self.path(kind, key).exists()
-
-    def forget_written(self) -> None:
-        """Drop every recorded sum: the files were replaced outside this store (a checkpoint restored)."""
-        self._sums.clear()
 
     def written(self, path: Path) -> WrittenSum | None:
         """The sum this run recorded for the file at ``path`` (None: not one of this store's, or not yet written)."""
