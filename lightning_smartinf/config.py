@@ -65,8 +65,9 @@ class OffloadConfig:
     at a subgroup whose state is not yet copied); ``false``: training waits for each save."""
     host_memory_budget: str = "auto"
     """Host memory the engine may fill with what would otherwise cross the disk, placed by value per byte
-    (engine/placement.py): the fp32 gradients first, then the master and optimizer state of the first subgroups
-    (each one in RAM saves 24 B/param of disk traffic per Adam step), then kept forward graphs. ``auto`` (the
+    (engine/placement.py): the streamed blocks' 16-bit parameters first (read by every forward and backward, written
+    by every step), then the fp32 gradients, then the master and optimizer state of the first subgroups (each one in
+    RAM saves 24 B/param of disk traffic per Adam step), then kept forward graphs. ``auto`` (the
     default): half of the host memory available at set-up (shared by the ranks on the host), less what the engine
     holds whatever the budget (its buffer pools, resident set and set-up's working set); a size (``8GB``,
     ``512MB``); or ``0``: everything on storage."""
