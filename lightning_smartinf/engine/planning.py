@@ -113,7 +113,8 @@ def kept_block_bytes(engine: OffloadEngine, hidden: torch.Tensor) -> int:
 def activation_memory(engine: OffloadEngine) -> int:
     """Bytes kept forward graphs may take: on a CPU device, what ``offload.host_memory_budget`` leaves after its
     placement (the budget comes first to parameters, gradients and optimizer state, which save disk traffic, then
-    to graphs, which save compute); on a GPU, the share of free device memory the schedule's checkpoints also draw from."""
+    to graphs, which save compute); on a GPU, the share of free device memory the schedule's checkpoints also draw
+    from."""
     if engine.device.type == "cuda":
         return memory_budget(engine.device)
     return max(0, engine.placement.budget - engine.placement.nbytes)
