@@ -38,9 +38,10 @@ class HostPlacement:
         if not self.nbytes:
             return f"host memory budget {human_bytes(self.budget)}: everything on storage"
         total = max(len(layout.subgroups), 1)
-        text = (f"host memory budget {human_bytes(self.budget)}: 16-bit parameters of {len(self.params)} of {total} "
-                f"subgroups, gradients in {'RAM' if self.grads else 'storage'}, master and optimizer state of "
-                f"{len(self.state)} of {total} subgroups in RAM")  # fmt: skip
+        streamed = sum(not layout.blocks[sg.block].resident for sg in layout.subgroups)  # resident: in RAM anyway
+        text = (f"host memory budget {human_bytes(self.budget)}: 16-bit parameters of {len(self.params)} of "
+                f"{streamed} streamed subgroups, gradients in {'RAM' if self.grads else 'storage'}, master and "
+                f"optimizer state of {len(self.state)} of {total} subgroups in RAM")  # fmt: skip
         if frozen_layout is not None and frozen_layout.subgroups:
             text += f", frozen weights of {len(self.frozen)} of {len(frozen_layout.subgroups)} subgroups in RAM"
         return f"{text}; {human_bytes(self.nbytes)} placed"
