@@ -181,7 +181,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro-batch", type=int)
     parser.add_argument("--micro-batches", type=int)
     parser.add_argument("--steps", type=int)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="untimed steps first (2: with one, smart_infinity's first timed step was still 25%% "
+                             "slower than the rest at GPT-350M shapes, docs/benchmarks.md)")
     parser.add_argument("--reps", type=int)
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     parser.add_argument("--devices", type=int, default=2, help="near-storage devices for (d) and (e)")
