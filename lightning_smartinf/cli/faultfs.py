@@ -26,7 +26,9 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
-KINDS = ("read_eio", "write_eio", "torn_write", "bad_read")
+REQUEST_OF = {"read_eio": "read", "write_eio": "write", "torn_write": "write", "bad_read": "read"}
+"""Each fault kind and the request it strikes."""
+KINDS = tuple(REQUEST_OF)
 
 
 @dataclass
@@ -53,8 +55,7 @@ class Plan:
 
     def pick(self, op: str, path: str, offset: int, size: int) -> str | None:
         """The fault for this request (``op``: read or write), if any, logged before it is applied."""
-        eligible = [k for k in self.kinds if k.startswith(op) or (op == "read" and k == "bad_read")
-                    or (op == "write" and k == "torn_write")]  # fmt: skip
+        eligible = [k for k in self.kinds if REQUEST_OF[k] == op]
         if not eligible or not fnmatch(path.lstrip("/"), self.include):
             return None
         with self._lock:
@@ -82,13 +83,9 @@ def operations(source: Path, plan: Plan) -> Any:
             return str(source / path.lstrip("/"))
 
         def getattr(self, path: str, fh: int | None = None) -> dict[str, int]:
-            try:
-                st = os.lstat(self._real(path)) if fh is None else os.fstat(fh)
-            except OSError as err:
-                raise FuseOSError(err.errno) from None
+            st = self._call(os.lstat, self._real(path)) if fh is None else self._call(os.fstat, fh)
             keys = ("st_mode", "st_nlink", "st_size", "st_uid", "st_gid", "st_atime_ns", "st_mtime_ns", "st_ctime_ns")
-            found = {key.replace("_ns", ""): getattr(st, key) for key in keys}
-            return found
+            return {key.replace("_ns", ""): getattr(st, key) for key in keys}
 
         def readdir(self, path: str, fh: int) -> list[str]:
             return [".", "..", *os.listdir(self._real(path))]
