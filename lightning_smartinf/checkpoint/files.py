@@ -17,7 +17,7 @@ import hashlib
 import logging
 import os
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,15 +42,16 @@ class FileRecord:
     nbytes: int
     sha256: str
     crc32c: int | None = None
-    """Of the whole file, where this process wrote it (not kept in the manifest)."""
+    """Of the whole file, where the copy was asked for it (``copy_file(crc=True)``; not kept in the manifest)."""
 
 
 class Digest:
-    """The SHA-256 and CRC-32C of a stream of chunks, and the CRC-32C of its first ``expect.nbytes`` bytes, which
-    ``record`` checks against ``expect.crc``."""
+    """The SHA-256 of a stream of chunks; with ``expect``, the CRC-32C of its first ``expect.nbytes`` bytes, which
+    ``record`` checks against ``expect.crc``; with ``crc``, the CRC-32C of all of it. The CRC runs only where one of
+    them needs it: checkpoint writes and verification hash every byte of a checkpoint, and need neither."""
 
-    def __init__(self, source: Path, expect: WrittenSum | None = None) -> None:
-        self.source, self.expect = source, expect
+    def __init__(self, source: Path, expect: WrittenSum | None = None, crc: bool = False) -> None:
+        self.source, self.expect, self.whole = source, expect, crc
         self.sha256 = hashlib.sha256()
         self.crc = 0
         self.size = 0
@@ -60,7 +61,8 @@ class Digest:
         if self.expect is not None and self.size < self.expect.nbytes <= self.size + len(chunk):
             self.prefix_crc = crc32c.crc32c(chunk[: self.expect.nbytes - self.size], self.crc)
         self.sha256.update(chunk)
-        self.crc = crc32c.crc32c(chunk, self.crc)
+        if self.whole or (self.expect is not None and self.prefix_crc is None):
+            self.crc = crc32c.crc32c(chunk, self.crc)
         self.size += len(chunk)
 
     def record(self) -> FileRecord:
@@ -71,7 +73,7 @@ class Digest:
                 f"copying {self.source}: its first {expect.nbytes} bytes differ from those this run wrote ({found}, "
                 f"written {expect.crc:08x}): the disk returned wrong data or kept a torn write"
             )
-        return FileRecord(self.size, self.sha256.hexdigest(), self.crc)
+        return FileRecord(self.size, self.sha256.hexdigest(), self.crc if self.whole else None)
 
 
 class DiskFullError(StorageError):
@@ -122,13 +124,14 @@ def write_chunks(path: Path, chunks: Iterable[bytes | memoryview], digest: Diges
     return digest.record()
 
 
-def copy_file(source: Path, target: Path, replace: bool = False, expect: WrittenSum | None = None) -> FileRecord:
+def copy_file(source: Path, target: Path, replace: bool = False, expect: WrittenSum | None = None,
+              crc: bool = False) -> FileRecord:  # fmt: skip
     """Copy ``source`` to ``target``, checking the bytes read against ``expect`` (see the module docstring) and
     retrying once, with a warning, if the copy fails other than for a full disk. ``replace``: overwrite an existing
-    ``target`` (restoring live state) instead of refusing to."""
+    ``target`` (restoring live state) instead of refusing to; ``crc``: also return the CRC-32C of the whole file."""
     for attempt in (1, 2):
         try:
-            return _copy_once(source, target, replace, expect)
+            return _copy_once(source, target, replace, lambda: Digest(source, expect, crc))
         except OSError as err:
             target.unlink(missing_ok=True)  # no partial copy is left behind
             if attempt == 2 or err.errno in FULL_ERRNOS:
@@ -138,7 +141,7 @@ def copy_file(source: Path, target: Path, replace: bool = False, expect: Written
     raise AssertionError("unreachable")
 
 
-def _copy_once(source: Path, target: Path, replace: bool, expect: WrittenSum | None) -> FileRecord:
+def _copy_once(source: Path, target: Path, replace: bool, digest: Callable[[], Digest]) -> FileRecord:
     """With O_DIRECT where the size and filesystem allow (state files are 4 KiB multiples): it bypasses the page
     cache, which cuts the time by 3x under a training process's memory pressure; buffered otherwise."""
     if replace:
@@ -146,12 +149,12 @@ def _copy_once(source: Path, target: Path, replace: bool, expect: WrittenSum | N
     try:
         if source.stat().st_size % ALIGNMENT == 0 and hasattr(os, "O_DIRECT"):
             try:
-                return _copy_direct(source, target, expect)
+                return _copy_direct(source, target, digest())
             except OSError as err:
                 if err.errno != errno.EINVAL:  # EINVAL: this filesystem has no O_DIRECT (tmpfs)
                     raise
                 target.unlink(missing_ok=True)
-        return write_chunks(target, read_chunks(source), Digest(source, expect))
+        return write_chunks(target, read_chunks(source), digest())
     except StorageError:  # already names the file
         raise
     except OSError as err:
@@ -161,9 +164,8 @@ def _copy_once(source: Path, target: Path, replace: bool, expect: WrittenSum | N
         raise StorageError(err.errno, f"copying {source} to {target} failed: {err.strerror or err} ({name})") from err
 
 
-def _copy_direct(source: Path, target: Path, expect: WrittenSum | None) -> FileRecord:
+def _copy_direct(source: Path, target: Path, digest: Digest) -> FileRecord:
     view = bytes_view(aligned_bytes(CHUNK))
-    digest = Digest(source, expect)
     offset = 0
     fin = os.open(source, os.O_RDONLY | os.O_DIRECT)
     try:

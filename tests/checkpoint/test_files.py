@@ -27,10 +27,12 @@ def state_file(path: Path) -> WrittenSum:
 
 def test_a_copy_checked_against_the_written_sum_records_both_sums(tmp_path: Path) -> None:
     written = state_file(tmp_path / "live")
-    record = copy_file(tmp_path / "live", tmp_path / "copy", expect=written)
+    record = copy_file(tmp_path / "live", tmp_path / "copy", expect=written, crc=True)
     assert (tmp_path / "copy").read_bytes() == (tmp_path / "live").read_bytes()
-    assert record == hash_file(tmp_path / "copy")
+    hashed = hash_file(tmp_path / "copy")
+    assert (record.nbytes, record.sha256) == (hashed.nbytes, hashed.sha256)
     assert record.crc32c == crc32c.crc32c((tmp_path / "live").read_bytes())
+    assert hashed.crc32c is None  # hashing a checkpoint computes no CRC it would not use
 
 
 def test_a_file_that_differs_from_what_was_written_is_refused_naming_it(tmp_path: Path, caplog) -> None:
@@ -84,3 +86,15 @@ def test_an_io_error_that_persists_names_the_file(tmp_path: Path, monkeypatch) -
     with pytest.raises(StorageError, match=r"copying .*/live to .*/copy failed: Input/output error \(EIO\)"):
         copy_file(tmp_path / "live", tmp_path / "copy")
     assert not (tmp_path / "copy").exists()
+
+
+def test_the_written_sum_is_checked_across_chunks(tmp_path: Path, monkeypatch) -> None:
+    """A file longer than one read: the CRC runs over the chunks up to the payload's end, in the chunk it ends in."""
+    monkeypatch.setattr(files, "CHUNK", 4096)
+    written = state_file(tmp_path / "live")
+    copy_file(tmp_path / "live", tmp_path / "copy", expect=written)
+    data = bytearray((tmp_path / "live").read_bytes())
+    data[4096 + 10] ^= 0x10  # in the second of four chunks
+    (tmp_path / "live").write_bytes(data)
+    with pytest.raises(CorruptReadError, match="differ from those this run wrote"):
+        copy_file(tmp_path / "live", tmp_path / "again", expect=written)
