@@ -123,6 +123,11 @@ class Layout:
         return [b for b in self.blocks if not b.resident]
 
     @property
+    def streamed_subgroups(self) -> list[Subgroup]:
+        """This rank's subgroups of the streamed blocks, in forward order (the resident block's stay in RAM)."""
+        return [sg for sg in self.subgroups if not self.blocks[sg.block].resident]
+
+    @property
     def resident(self) -> Block:
         return self.blocks[0]
 

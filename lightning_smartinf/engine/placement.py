@@ -38,10 +38,10 @@ class HostPlacement:
         if not self.nbytes:
             return f"host memory budget {human_bytes(self.budget)}: everything on storage"
         total = max(len(layout.subgroups), 1)
-        streamed = sum(not layout.blocks[sg.block].resident for sg in layout.subgroups)  # resident: in RAM anyway
         text = (f"host memory budget {human_bytes(self.budget)}: 16-bit parameters of {len(self.params)} of "
-                f"{streamed} streamed subgroups, gradients in {'RAM' if self.grads else 'storage'}, master and "
-                f"optimizer state of {len(self.state)} of {total} subgroups in RAM")  # fmt: skip
+                f"{len(layout.streamed_subgroups)} streamed subgroups, gradients in "
+                f"{'RAM' if self.grads else 'storage'}, master and optimizer state of {len(self.state)} of {total} "
+                f"subgroups in RAM")  # fmt: skip
         if frozen_layout is not None and frozen_layout.subgroups:
             text += f", frozen weights of {len(self.frozen)} of {len(frozen_layout.subgroups)} subgroups in RAM"
         return f"{text}; {human_bytes(self.nbytes)} placed"
@@ -63,8 +63,7 @@ def place(budget: int, layout: Layout, state_kinds: int, grads: bool, state: boo
     params: list[str] = []
     left, in_ram, used = budget, False, 0
     if params_itemsize:
-        streamed = [sg for sg in layout.subgroups if not layout.blocks[sg.block].resident]  # resident: in RAM already
-        params, used = _first_fitting(streamed, params_itemsize, left)
+        params, used = _first_fitting(layout.streamed_subgroups, params_itemsize, left)
         left -= used
     grad_bytes = 4 * layout.local_numel
     if grads and grad_bytes <= left:
