@@ -248,11 +248,16 @@ class ScheduleConfig:
     """``vertical`` with ``vertical_pre``/``vertical_loss``: share of the blocks (the last ones) whose forward graph
     is kept for backward instead of recomputed (GreedySnake): a quarter less compute for them, at the cost of their
     activations in memory (schedule/kept.py)."""
+    spill_activations: float = 0.0
+    """``vertical`` with ``vertical_pre``/``vertical_loss``: share of the blocks (those before the ones
+    ``keep_activations`` keeps) whose forward graph is kept on storage instead of recomputed: written under
+    offload.nvme_path as the forward makes it and read back one block ahead of backward (schedule/spill.py).
+    Modules without the protocol keep on storage every graph the memory does not hold when it is above 0."""
 
     def __post_init__(self) -> None:
         _check_choice("schedule.kind", self.kind, ("horizontal", "vertical", "auto"))
         _check_positive("schedule.micro_batches", self.micro_batches)
-        for key in ("checkpoint_host", "checkpoint_nvme", "overlap", "keep_activations"):
+        for key in ("checkpoint_host", "checkpoint_nvme", "overlap", "keep_activations", "spill_activations"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise ConfigError(f"schedule.{key}={getattr(self, key)} must be a fraction in [0, 1]")
         if self.checkpoint_host + self.checkpoint_nvme > 1.0:

@@ -33,6 +33,7 @@ from lightning_smartinf.engine.partition import Partition
 from lightning_smartinf.engine.placement import HostPlacement
 from lightning_smartinf.engine.stepping import StepRunner
 from lightning_smartinf.schedule.horizontal import BlockHooks
+from lightning_smartinf.schedule.spill import GraphSpill
 from lightning_smartinf.storage.aligned import typed_view
 from lightning_smartinf.storage.counters import TrafficCounters
 from lightning_smartinf.storage.io import IOBackend
@@ -118,6 +119,8 @@ class OffloadEngine:
         """The blocks' original forwards (the vertical schedule calls them between its own fetches)."""
         self.weights = WeightHandback(parts, model, device, self.hooks, self.block_masters, self.wait_step)
         """The trained weights back into the module between stages (engine/handback.py)."""
+        self.graphs = GraphSpill(parts.disk, parts.disk.allocator)
+        """Kept graphs on storage, for the vertical schedules (schedule/spill.py): nothing is held until used."""
 
     def written(self, path: Path) -> WrittenSum | None:
         """What this run wrote to the state file ``path`` (a checkpoint's copy of it is checked against it)."""
@@ -309,4 +312,5 @@ class OffloadEngine:
         self.grads.close()
         for streamer in self.streamers:
             streamer.close()
+        self.graphs.close()
         self.directories.close()

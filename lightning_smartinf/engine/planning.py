@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -17,7 +19,16 @@ from lightning_smartinf.config import ScheduleConfig
 from lightning_smartinf.errors import ConfigError
 from lightning_smartinf.schedule.kept import activation_bytes
 from lightning_smartinf.schedule.parked import ParkedVertical
-from lightning_smartinf.schedule.planner import Machine, Plan, Workload, measure_machine, plan, predict
+from lightning_smartinf.schedule.planner import (
+    Machine,
+    Plan,
+    Workload,
+    kept_share,
+    measure_machine,
+    plan,
+    predict,
+    spilled_share,
+)
 from lightning_smartinf.schedule.vertical import CheckpointTiers, VerticalSchedule, has_protocol
 from lightning_smartinf.schedule.window import tokens_of
 from lightning_smartinf.update.optimizers import torch_update
@@ -175,6 +186,7 @@ def plan_schedule(engine: OffloadEngine, vertical_pre: Callable[[torch.Tensor], 
     work = workload_of(engine, batch, hidden[0].numel() * hidden.element_size() * boundaries, kept, resident_s)
     machine = measure(engine, work)
     machine.activation_memory = activation_memory(engine)
+    machine.graph_storage = graph_storage(engine)
     log.info("schedule=auto: the model's blocks run at %.3g TFLOP/s here (a 2048^3 matmul: %.3g); the forward of "
              "its resident layers and loss takes %.3g s per batch", flops / 1e12, machine.flops / 1e12,
              resident_s)  # fmt: skip
@@ -184,13 +196,36 @@ def plan_schedule(engine: OffloadEngine, vertical_pre: Callable[[torch.Tensor], 
 def plan_parked(engine: OffloadEngine, batch: Any, micro_batches: int) -> Plan:
     """``schedule=auto`` for a module without ``vertical_pre``/``vertical_loss`` (a Hugging Face or litgpt model):
     its blocks run only from inside its training_step, so compute is estimated at the matmul rate, and its kept
-    graphs are sized as they run, within the memory the host budget leaves (``Plan.keep_bytes``)."""
+    graphs are estimated from the blocks' width (``estimated_graph_bytes``) and sized as they run, within the memory
+    the host budget leaves (``Plan.keep_bytes``); those it does not hold go to storage where that is predicted
+    faster than recomputing them."""
     work = workload_of(engine, batch, 0)
+    work.kept_block_bytes = estimated_graph_bytes(engine, work.tokens_per_batch)
     machine = measure(engine, work)
-    keep_bytes = activation_memory(engine)
-    parts = predict(work, machine, True, micro_batches, 1.0, 1.0 if keep_bytes else 0.0)
+    machine.activation_memory = keep_bytes = activation_memory(engine)
+    machine.graph_storage = graph_storage(engine)
+    keep = kept_share(work, machine)
+    spill = spilled_share(work, machine, keep)
+    parts = predict(work, machine, True, micro_batches, 1.0, keep, spill)
     overlap = 1.0 if parts["step"] else 0.0  # never slower: each block waits only for its own update
-    return Plan(micro_batches, overlap, 0.0, 0.0, parts["total"], parts, keep_bytes=keep_bytes)
+    return Plan(micro_batches, overlap, 0.0, 0.0, parts["total"], parts, keep_bytes=keep_bytes,
+                spill_activations=spill)  # fmt: skip
+
+
+def estimated_graph_bytes(engine: OffloadEngine, tokens: int) -> int:
+    """Bytes one streamed block's kept forward graph holds over ``tokens``, for a block that cannot run alone: a
+    transformer block of width d has about 12 d^2 parameters and saves about 16 d activations per token (GPT-2's
+    block measured by ``kept_block_bytes``: 16.0 d; Llama's is alike), in the parameters' dtype."""
+    if not engine.layout.streamed:
+        return 0
+    numel = engine.layout.blocks[1].numel + engine.frozen_layout.blocks[1].numel
+    return int(16 * math.sqrt(numel / 12) * engine.itemsize * tokens)
+
+
+def graph_storage(engine: OffloadEngine) -> int:
+    """Disk bytes kept graphs may take: half the free space under the state directories (checkpoints and the
+    state's own growth keep the rest)."""
+    return sum(shutil.disk_usage(root).free for root in engine.disk.roots) // 2
 
 
 def vertical_schedule(engine: OffloadEngine, module: Any, s: ScheduleConfig, accumulate: int, clipping: bool,
@@ -210,6 +245,7 @@ def vertical_schedule(engine: OffloadEngine, module: Any, s: ScheduleConfig, acc
     most = s.micro_batches * accumulate  # micro-batches of one pass at most
     if not has_protocol(module):
         rounds = round(s.keep_activations * len(engine.layout.streamed)) if keep_bytes is None else sys.maxsize
-        return ParkedVertical(engine, most, s.eager_update, rounds, sys.maxsize if keep_bytes is None else keep_bytes)
+        return ParkedVertical(engine, most, s.eager_update, rounds, sys.maxsize if keep_bytes is None else keep_bytes,
+                              spill=s.spill_activations > 0)  # fmt: skip
     tiers = CheckpointTiers(most, s.checkpoint_host, s.checkpoint_nvme, engine.disk, engine.counters, device)
-    return VerticalSchedule(engine, most, tiers, s.eager_update, s.keep_activations)
+    return VerticalSchedule(engine, most, tiers, s.eager_update, s.keep_activations, s.spill_activations)

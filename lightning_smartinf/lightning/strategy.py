@@ -231,7 +231,8 @@ class SmartInfinityStrategy(ProcessStrategy):
         self.plan = chosen
         settings = replace(self.schedule, kind="vertical", micro_batches=1 if window else chosen.micro_batches,
                            overlap=chosen.overlap, checkpoint_host=chosen.checkpoint_host,
-                           checkpoint_nvme=chosen.checkpoint_nvme, keep_activations=chosen.keep_activations)
+                           checkpoint_nvme=chosen.checkpoint_nvme, keep_activations=chosen.keep_activations,
+                           spill_activations=chosen.spill_activations)
         return self._schedule(settings, None if protocol else chosen.keep_bytes)
 
     def _schedule(self, s: ScheduleConfig, keep_bytes: int | None = None) -> VerticalSchedule | ParkedVertical:

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from lightning_smartinf.schedule.spill import PackFn, Spilled
+
 
 @dataclass(frozen=True)
 class _ParamView:
@@ -28,12 +30,12 @@ class _ParamView:
     position: int
 
 
-def parameter_references(params: Sequence[torch.Tensor],
-                         sizes: dict[int, int] | None = None) -> torch.autograd.graph.saved_tensors_hooks:  # fmt: skip
+def parameter_references(params: Sequence[torch.Tensor], sizes: dict[int, int] | None = None,
+                         spill: PackFn | None = None) -> torch.autograd.graph.saved_tensors_hooks:  # fmt: skip
     """Saved-tensor hooks for one forward of a block whose parameters ``params`` are views of a few buffers (as the
     engine fetches them: the trainable ones in one, the frozen ones in another); the backward must run while the
     block is fetched again. ``sizes``, if given, gets the bytes of every other saved storage (what the kept graph
-    costs in memory), by storage."""
+    costs in memory), by storage; ``spill``, if given, may take any other saved tensor to storage (``spill.py``)."""
     anchors: dict[int, tuple[int, torch.dtype, int]] = {}  # storage -> (index of its first param, dtype, offset)
     for i, p in enumerate(params):
         if p.data.numel():
@@ -44,6 +46,8 @@ def parameter_references(params: Sequence[torch.Tensor],
         found = anchors.get(storage.data_ptr())
         if found is not None and tensor.dtype == found[1]:
             return _ParamView(found[0], tensor.size(), tensor.stride(), int(tensor.storage_offset()) - found[2])
+        if spill is not None and found is None and (spilled := spill(tensor)) is not None:
+            return spilled
         if sizes is not None and found is None:
             sizes[storage.data_ptr()] = storage.nbytes()
         return tensor
@@ -52,6 +56,8 @@ def parameter_references(params: Sequence[torch.Tensor],
         if isinstance(saved, _ParamView):
             current = params[saved.buffer].data
             return current.as_strided(saved.size, saved.stride, current.storage_offset() + saved.position)
+        if isinstance(saved, Spilled):
+            return saved.tensor()
         return saved  # type: ignore[no-any-return]
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

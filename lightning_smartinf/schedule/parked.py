@@ -44,6 +44,7 @@ from lightning_smartinf.schedule.calls import (
     training_call,
 )
 from lightning_smartinf.schedule.kept import parameter_references
+from lightning_smartinf.schedule.spill import GraphSpill
 
 STRUCTURE_HELP = (
     "schedule=vertical runs the module's training_step once per micro-batch and each streamed block for all of them "
@@ -70,6 +71,9 @@ class ParkedEngine(Protocol):
     def collect_resident_grads(self) -> None: ...
 
     def block_parameters(self, index: int) -> list[torch.nn.Parameter]: ...
+
+    @property
+    def graphs(self) -> GraphSpill: ...
 
 
 def split_batch(batch: Any, micro_batches: int) -> list[Any]:
@@ -122,6 +126,8 @@ class _Record:
     """The output as the thread gets it: the block's result with its tensors replaced by ``outputs``."""
     kept: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
     """A kept graph: the detached inputs it starts from and its outputs (None: recompute in backward)."""
+    spilled: bool = False
+    """The kept graph's saved activations are on storage (``engine.graphs``), keyed (round position, micro)."""
 
 
 @dataclass
@@ -145,19 +151,22 @@ class ParkedVertical:
     """Runs one iteration of ``step`` (the module's training_step on a micro-batch) block by block; returns the mean
     loss. ``eager``: each block's update starts when its backward is done (``engine.begin_eager_step``).
     ``keep_rounds`` / ``keep_bytes``: how many block calls (over all micro-batches) may keep their forward graphs
-    per iteration, and the memory those graphs may take (either 0: every block recomputes)."""
+    in memory per iteration, and the memory those graphs may take (either 0: none in memory). ``spill``: the
+    block calls beyond those keep their graphs on storage (``spill.py``) instead of recomputing in backward."""
 
     def __init__(self, engine: ParkedEngine, micro_batches: int, eager: bool = False, keep_rounds: int = 0,
-                 keep_bytes: int = 0) -> None:  # fmt: skip
+                 keep_bytes: int = 0, spill: bool = False) -> None:  # fmt: skip
         self.engine, self.micro_batches, self.eager = engine, micro_batches, eager
-        self.keep_rounds, self.keep_bytes = keep_rounds, keep_bytes
+        self.keep_rounds, self.keep_bytes, self.spill = keep_rounds, keep_bytes, spill
         self._reports: queue.Queue[tuple[str, int, Any]] = queue.Queue()
         self._local = threading.local()
         self._keep_left = 0
         self._round_bytes = 0
         """What the last kept round's graphs took: the estimate for the next (the blocks are alike)."""
         self.kept_rounds = 0
-        """Rounds (block calls over all micro-batches) of the last iteration whose graphs were kept."""
+        """Rounds (block calls over all micro-batches) of the last iteration whose graphs were kept in memory."""
+        self.spilled_rounds = 0
+        """Rounds of the last iteration whose graphs were kept on storage."""
 
     # -- the threads' side ------------------------------------------------------------------------------------------
     def call_block(self, index: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -208,7 +217,7 @@ class ParkedVertical:
         ``divisor`` (Lightning divides by ``accumulate_grad_batches`` even in a short last window); returns the
         sum of the divided losses."""
         workers = [_Worker(m) for m in range(len(steps))]
-        self._keep_left, self.kept_rounds = self.keep_bytes, 0
+        self._keep_left, self.kept_rounds, self.spilled_rounds = self.keep_bytes, 0, 0
         for worker, step in zip(workers, steps, strict=True):
             worker.thread = threading.Thread(target=self._body, args=(worker, step, context),
                                              name=f"smartinf-micro{worker.micro}", daemon=True)  # fmt: skip
@@ -217,11 +226,15 @@ class ParkedVertical:
             rounds, losses = self._forward(workers)
         except BaseException:
             self._abort(workers)
+            self.engine.graphs.clear()
             raise
         for worker in workers:
             assert worker.thread is not None
             worker.thread.join()
-        return self._backward(rounds, losses, divisor)
+        try:
+            return self._backward(rounds, losses, divisor)
+        finally:
+            self.engine.graphs.clear()
 
     def _resume(self, worker: _Worker, message: Any) -> tuple[str, Any]:
         """Hand ``message`` to one thread and wait until it parks again, finishes or fails."""
@@ -267,8 +280,10 @@ class ParkedVertical:
         budget lasts (the last kept round's size is the estimate)."""
         engine, index = self.engine, parked[0].index
         this = _Round(index)
-        keep = (all(p.grad for p in parked) and self.kept_rounds < self.keep_rounds and self._keep_left > 0
+        grad = all(p.grad for p in parked)
+        keep = (grad and self.kept_rounds < self.keep_rounds and self._keep_left > 0
                 and self._round_bytes <= self._keep_left)  # fmt: skip
+        spill = grad and self.spill and not keep
         sizes: dict[int, int] = {}
         engine.enter_block(index, backward=False)
         try:
@@ -278,18 +293,22 @@ class ParkedVertical:
                 with torch.autocast(engine.device.type, dtype=dtype, enabled=enabled):
                     state = RecomputeState(engine.device)
                     kept: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
-                    if keep:
+                    if keep or spill:
                         inputs = [x.detach().requires_grad_(x.requires_grad) for x in p.inputs.tensors]
-                        with torch.enable_grad(), parameter_references(engine.block_parameters(index), sizes):
+                        pack = engine.graphs.packer((position, m), inputs) if spill else None
+                        with torch.enable_grad(), parameter_references(engine.block_parameters(index), sizes, pack):
                             result = flatten(call(p.fn, p.inputs, inputs), f"the output of block {index}")
+                        if pack is not None:
+                            engine.graphs.flush((position, m))
                         kept = (inputs, result.tensors)
                     else:
                         with torch.no_grad():
                             result = flatten(call(p.fn, p.inputs, p.inputs.tensors), f"the output of block {index}")
                 leaves = [t.detach().requires_grad_() if p.grad and differentiable(t) else t for t in result.tensors]
-                this.records[m] = _Record(p, state, leaves, result.rebuild(leaves), kept)
+                this.records[m] = _Record(p, state, leaves, result.rebuild(leaves), kept, spill)
         finally:
             engine.exit_block(index, backward=False)
+        self.spilled_rounds += spill
         if keep:
             self._round_bytes = sum(sizes.values())
             if self._round_bytes > self._keep_left:  # over the budget: recompute this round after all
@@ -324,9 +343,13 @@ class ParkedVertical:
             engine.enter_block(this.index, backward=True)
             targets: list[torch.Tensor] = []
             grads: list[torch.Tensor] = []
+            spill = engine.graphs
+            spill.prefetch([(position, m) for m in snake(n, position + 1)], urgent=True)
+            spill.prefetch([(position - 1, m) for m in snake(n, position)])  # behind this block's backward
             try:
                 for m in snake(n, position + 1):  # continue the snake from where forward turned
                     self._recompute(this.records.pop(m), targets, grads)
+                    spill.release((position, m))
                 engine.collect_block_grads(this.index)
             finally:
                 engine.exit_block(this.index, backward=True)

@@ -3,17 +3,22 @@
 Iteration time is modelled as the larger of compute and parameter streaming (they overlap through prefetch), plus
 the part of the optimizer step that does not hide behind the next forward pass:
 
-    t(M) = max(compute, param_bytes(M) / disk_read) + max(0, step - overlap_window)
+    t(M) = max(max(compute, disk) + step - overlap_window, disk + step I/O)
 
-    compute         = (8 - 2 k) x params x tokens / FLOP/s
-                      (forward, backward, and the recompute of the blocks whose graphs are not kept: a share k is)
+    compute         = (8 - 2 (k + s)) x params x tokens / FLOP/s
+                      (forward, backward, and the recompute of the blocks whose graphs are not kept: a share k is
+                      kept in memory, a share s on storage)
+    disk            = param_bytes(M) / disk_read + graph bytes / disk_write + graph bytes / disk_read
     param_bytes(M)  = 2 x streamed 16-bit bytes         (vertical: once each way, any M)
                     = 2 x M x streamed 16-bit bytes     (horizontal)
+    graph bytes     = s x blocks x one block's kept graph
     step            = max(step I/O / disk, params / update rate)
-    overlap_window  = overlap x step, at most the next forward (compute / 4)
+    overlap_window  = overlap x step, at most the next forward
 
 Kept graphs: GreedySnake recomputes nothing it can afford to keep; the planner keeps as many blocks' forward graphs
-(measured bytes per block) as the activation memory holds, the rest recompute in backward.
+(measured bytes per block) as the activation memory holds. The rest are kept on storage (schedule/spill.py) where
+that is predicted faster than recomputing them (the disk has time to spare beside compute) and the disk has room for
+them; otherwise they recompute in backward.
 Checkpoints (M x boundaries x hidden bytes) must fit in the device-memory budget; what does not fit goes to host
 memory, then to storage. GreedySnake solves a small linear program over the same quantities; with one disk and one
 device the choice reduces to this search over the divisors of the batch.
@@ -46,6 +51,8 @@ class Machine:
     host_memory: int
     activation_memory: int = 0
     """Bytes kept forward graphs may take (on a CPU device, what ``offload.host_memory_budget`` leaves)."""
+    graph_storage: int = 0
+    """Bytes of disk kept graphs may take (free space under the state directory, less a margin)."""
 
 
 @dataclass
@@ -80,11 +87,15 @@ class Plan:
     keep_activations: float = 0.0
     keep_bytes: int = 0
     """A module without the vertical protocol: the memory its blocks' kept graphs may take (sized as they run)."""
+    spill_activations: float = 0.0
+    """The share of blocks whose graphs are kept on storage (a module without the protocol: above 0, every graph
+    the memory does not hold)."""
 
     def describe(self) -> str:
         parts = ", ".join(f"{k} {v:.3f}s" for k, v in self.breakdown.items())
         keep = (f"kept graphs within {self.keep_bytes / 2**20:.0f} MiB" if self.keep_bytes
                 else f"keep_activations={self.keep_activations:.2f}")  # fmt: skip
+        keep += f", spill_activations={self.spill_activations:.2f}"
         return (f"schedule=auto: micro_batches={self.micro_batches}, overlap={self.overlap:.2f}, checkpoints "
                 f"host {self.checkpoint_host:.2f} / nvme {self.checkpoint_nvme:.2f}, {keep}; predicted "
                 f"{self.predicted_s:.3f} s/iteration ({parts})")  # fmt: skip
@@ -101,26 +112,38 @@ class Plan:
         if self.keep_bytes or self.keep_activations:
             lines.append("kept graphs: blocks whose forward graphs fit the memory the host budget leaves skip their "
                          "recompute in backward (a quarter less compute for each)")  # fmt: skip
-        else:
+        elif not self.spill_activations:
             lines.append("no kept graphs: offload.host_memory_budget leaves no memory for them; every block is "
                          "recomputed in backward")  # fmt: skip
+        if self.spill_activations:
+            lines.append(f"graphs on storage: the graphs memory does not hold go to disk and back "
+                         f"({b['graphs_io']:.3f} s of disk time, beside the compute) instead of recomputing their "
+                         "blocks in backward")  # fmt: skip
+        elif self.keep_activations < 1.0 and not self.keep_bytes:
+            lines.append("no graphs on storage: reading and writing them is predicted slower than recomputing, or "
+                         "the disk lacks the room")  # fmt: skip
         return lines
 
 
 def predict(work: Workload, machine: Machine, vertical: bool, micro_batches: int, overlap: float,
-            keep: float = 0.0) -> dict[str, float]:  # fmt: skip
-    """Predicted seconds per iteration, and its parts (``keep``: the share of blocks whose graphs are kept)."""
+            keep: float = 0.0, spill: float = 0.0) -> dict[str, float]:  # fmt: skip
+    """Predicted seconds per iteration, and its parts (``keep``: the share of blocks whose graphs are kept in
+    memory; ``spill``: on storage)."""
     # blocks: forward, the backward's recompute (unless kept) and backward at twice a forward; resident layers:
     # forward and backward, never recomputed
-    blocks = (8.0 - 2.0 * keep) * (work.params - work.resident_params) * work.tokens_per_batch / machine.flops
-    compute = blocks + 3.0 * work.resident_forward_s
+    forward = 2.0 * (work.params - work.resident_params) * work.tokens_per_batch / machine.flops
+    compute = (4.0 - keep - spill) * forward + 3.0 * work.resident_forward_s
     reads = 2 * work.streamed_param_bytes * (1 if vertical else micro_batches)
     params_io = reads / machine.disk_read
-    step = max(work.step_read_bytes / machine.disk_read + work.step_write_bytes / machine.disk_write,
-               work.params / machine.update_params_per_s)  # fmt: skip
-    hidden = min(overlap * step, compute / 4)
-    total = max(compute, params_io) + step - hidden
-    return {"compute": compute, "params_io": params_io, "step": step, "step_hidden": hidden, "total": total}
+    graph_bytes = spill * work.blocks * work.kept_block_bytes
+    graphs_io = graph_bytes / machine.disk_write + graph_bytes / machine.disk_read
+    step_io = work.step_read_bytes / machine.disk_read + work.step_write_bytes / machine.disk_write
+    step = max(step_io, work.params / machine.update_params_per_s)
+    hidden = min(overlap * step, forward + work.resident_forward_s)
+    disk = params_io + graphs_io
+    total = max(max(compute, disk) + step - hidden, disk + step_io)  # the disk serves one request at a time
+    return {"compute": compute, "params_io": params_io, "graphs_io": graphs_io, "step": step, "step_hidden": hidden,
+            "total": total}  # fmt: skip
 
 
 def checkpoint_placement(work: Workload, machine: Machine, micro_batches: int) -> tuple[float, float] | None:
@@ -144,6 +167,7 @@ def plan(work: Workload, machine: Machine, max_micro_batches: int = 16, choices:
     """The best vertical schedule for ``work`` over the divisors of its batch (or over ``choices``: the micro-batch
     counts the user fixed, e.g. ``accumulate_grad_batches``)."""
     keep = kept_share(work, machine)  # the graphs cover the whole batch whatever M: the same for every M
+    spill = spilled_share(work, machine, keep)
     best: Plan | None = None
     for m in choices or range(1, min(max_micro_batches, work.batch_size) + 1):
         if work.batch_size % m:
@@ -151,12 +175,23 @@ def plan(work: Workload, machine: Machine, max_micro_batches: int = 16, choices:
         placement = checkpoint_placement(work, machine, m)
         if placement is None:
             continue
-        parts = predict(work, machine, True, m, 1.0, keep)
+        parts = predict(work, machine, True, m, 1.0, keep, spill)
         overlap = 1.0 if parts["step"] else 0.0  # never slower: each block waits only for its own update
         if best is None or parts["total"] < best.predicted_s * 0.98:  # prefer fewer micro-batches on near-ties
-            best = Plan(m, overlap, placement[0], placement[1], parts["total"], parts, keep)
+            best = Plan(m, overlap, placement[0], placement[1], parts["total"], parts, keep, spill_activations=spill)
     assert best is not None, "a batch always splits into one micro-batch"
     return best
+
+
+def spilled_share(work: Workload, machine: Machine, keep: float) -> float:
+    """The share of blocks to keep on storage: all that memory does not keep (``1 - keep``) where that is predicted
+    at least 2% faster than recomputing them and the disk has room, else none."""
+    rest = 1.0 - keep
+    needed = rest * work.blocks * work.kept_block_bytes
+    if rest <= 0 or not work.blocks or work.kept_block_bytes <= 0 or machine.graph_storage < needed:
+        return 0.0
+    recompute = predict(work, machine, True, 1, 1.0, keep)["total"]
+    return rest if predict(work, machine, True, 1, 1.0, keep, rest)["total"] < 0.98 * recompute else 0.0
 
 
 def measure_machine(device: torch.device, directory: Path, backend: IOBackend | None, update_params_per_s: float,

@@ -27,6 +27,7 @@ from lightning_smartinf import trace
 from lightning_smartinf.schedule.calls import RecomputeState
 from lightning_smartinf.schedule.kept import kept_blocks, parameter_references
 from lightning_smartinf.schedule.parked import ParkedEngine, snake, split_batch
+from lightning_smartinf.schedule.spill import GraphSpill
 from lightning_smartinf.storage.aligned import aligned_bytes, typed_view
 from lightning_smartinf.storage.counters import READ, WRITE, TrafficCounters
 from lightning_smartinf.storage.store import TensorStore
@@ -47,6 +48,7 @@ class VerticalEngine(ParkedEngine, Protocol):
 
     counters: TrafficCounters
     block_forwards: list[Callable[..., Any]]
+    graphs: GraphSpill
 
     def block_parameters(self, index: int) -> list[torch.nn.Parameter]: ...
 
@@ -115,10 +117,13 @@ class VerticalSchedule:
     """Runs one iteration (forward and backward over M micro-batches) block by block; returns the mean loss."""
 
     def __init__(self, engine: VerticalEngine, micro_batches: int, tiers: CheckpointTiers, eager: bool = False,
-                 keep_activations: float = 0.0) -> None:  # fmt: skip
+                 keep_activations: float = 0.0, spill_activations: float = 0.0) -> None:  # fmt: skip
         self.engine, self.micro_batches, self.tiers, self.eager = engine, micro_batches, tiers, eager
-        self.keep = kept_blocks(len(engine.block_forwards), keep_activations)
-        """Blocks (0-based) whose forward graph is kept for backward instead of recomputed (``kept.py``)."""
+        blocks = len(engine.block_forwards)
+        self.keep = kept_blocks(blocks, keep_activations)
+        """Blocks (0-based) whose forward graph is kept in memory for backward instead of recomputed (``kept.py``)."""
+        self.spilled = kept_blocks(blocks, min(1.0, keep_activations + spill_activations)) - self.keep
+        """Blocks whose graph is kept on storage (``spill.py``): the ones before those kept in memory."""
 
     def run(self, module: VerticalModule, batch: Any) -> torch.Tensor:
         return self.run_micros(module, split_batch(batch, self.micro_batches), self.micro_batches)
@@ -126,7 +131,14 @@ class VerticalSchedule:
     def run_micros(self, module: VerticalModule, micros: list[Any], divisor: int) -> torch.Tensor:
         """One iteration over ``micros`` (at most ``micro_batches`` of them), each loss divided by ``divisor``;
         returns the sum of the divided losses."""
-        engine, blocks, n = self.engine, len(self.engine.block_forwards), len(micros)
+        try:
+            return self._iteration(module, micros, divisor)
+        finally:
+            self.tiers.clear()
+            self.engine.graphs.clear()
+
+    def _iteration(self, module: VerticalModule, micros: list[Any], divisor: int) -> torch.Tensor:
+        engine, blocks, n, spill = self.engine, len(self.engine.block_forwards), len(micros), self.engine.graphs
         with trace.span("embed", "compute"):
             embedded = [module.vertical_pre(mb) for mb in micros]  # keeps the resident layers' graphs (boundary 0)
         for m, hidden in enumerate(embedded):
@@ -137,11 +149,15 @@ class VerticalSchedule:
             for b in range(blocks):
                 engine.enter_block(b + 1, backward=False)
                 for m in snake(n, b):
-                    x = self.tiers.get(b, m, keep=b not in self.keep)
-                    if b in self.keep:
+                    kept = b in self.keep or b in self.spilled
+                    x = self.tiers.get(b, m, keep=not kept)
+                    if kept:
                         x = x.detach().requires_grad_(True)
-                        with torch.enable_grad(), parameter_references(engine.block_parameters(b + 1)):
+                        pack = spill.packer((b, m), [x]) if b in self.spilled else None
+                        with torch.enable_grad(), parameter_references(engine.block_parameters(b + 1), spill=pack):
                             graphs[(b, m)] = (x, engine.block_forwards[b](x))
+                        if pack is not None:
+                            spill.flush((b, m))
                         self.tiers.put(b + 1, m, graphs[(b, m)][1])
                         continue
                     replay[(b, m)] = RecomputeState(engine.device)  # the recompute's dropout masks match
@@ -161,6 +177,8 @@ class VerticalSchedule:
             engine.begin_eager_step()
         for b in reversed(range(blocks)):
             engine.enter_block(b + 1, backward=True)
+            spill.prefetch([(b, m) for m in snake(n, b + 1)], urgent=True)  # already started unless the first
+            spill.prefetch([(b - 1, m) for m in snake(n, b)])  # the next block's, behind this one's backward
             for m in snake(n, b + 1):  # continue the snake from where forward turned
                 if (b, m) in graphs:
                     x, out = graphs.pop((b, m))
@@ -171,10 +189,10 @@ class VerticalSchedule:
                         out = engine.block_forwards[b](x)
                 out.backward(grads[m])
                 grads[m] = x.grad
+                spill.release((b, m))
             engine.collect_block_grads(b + 1)
             engine.exit_block(b + 1, backward=True)
         for m, hidden in enumerate(embedded):
             hidden.backward(grads[m])
         engine.collect_resident_grads()
-        self.tiers.clear()
         return total

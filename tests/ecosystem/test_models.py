@@ -33,12 +33,13 @@ def relative(ours: dict[str, torch.Tensor], reference: torch.nn.Module) -> float
     return float(diff.norm() / torch.cat([p.detach().reshape(-1) for p in ref.values()]).norm())
 
 
-@pytest.mark.parametrize("schedule", ["default", "horizontal", "vertical", "smart"])
+@pytest.mark.parametrize("schedule", ["default", "horizontal", "vertical", "spill", "smart"])
 @pytest.mark.parametrize("family", sorted(MODELS))
 def test_library_model_equals_plain_lightning(tmp_path: Path, family: str, schedule: str) -> None:
     """AdamW, 6 steps of 2 micro-batches: accumulated the Lightning way under the default schedule (``auto``: each
     window of 2 batches as one vertical pass, graphs kept) and horizontally; the vertical schedule's M=2 on the same
-    micro-batches; ``smart``: the default schedule with SmartUpdate's OpenCL kernels on 2 PoCL devices. Clipping 0.5
+    micro-batches; ``spill``: the same with every block's graph kept on storage (schedule/spill.py), none
+    recomputed; ``smart``: the default schedule with SmartUpdate's OpenCL kernels on 2 PoCL devices. Clipping 0.5
     except GPT-2 (its key bias's true gradient is zero, so clipped runs compare rounding noise)."""
     pytest.importorskip(LIBRARY[family])
     clip = None if family == "gpt2" else 0.5
@@ -46,14 +47,15 @@ def test_library_model_equals_plain_lightning(tmp_path: Path, family: str, sched
     # noise-only key bias (1.2e-5); at 1e-3 it stays within the bound, as for DeepSpeed's CPU Adam (test_strategy.py)
     lr = 1e-3 if family == "gpt2" and schedule == "smart" else 1e-2
     reference, _ = fit(family, "auto", 2, 2, clip, lr)
-    vertical = schedule == "vertical"
+    vertical = schedule in ("vertical", "spill")
     strategy = SmartInfinityStrategy(
         offload={"nvme_path": str(tmp_path / "state"), "subgroup_size": 4096, "io_backend": "threads",
                  # horizontally all on storage, to count the reads per micro-batch; the others with the default
                  # budget, which puts the 16-bit parameters in RAM first
                  "host_memory_budget": "0" if schedule == "horizontal" else "auto"},
         update={"backend": "smart", "devices": 2} if schedule == "smart" else {"host_adam": "torch"},
-        schedule={"kind": "vertical", "micro_batches": 2} if vertical else {"kind": "horizontal"}
+        schedule={"kind": "vertical", "micro_batches": 2, "spill_activations": float(schedule == "spill")}
+        if vertical else {"kind": "horizontal"}
         if schedule == "horizontal" else None,
     )  # fmt: skip
     module, trainer = fit(family, strategy, 4 if vertical else 2, 1 if vertical else 2, clip, lr)
@@ -74,6 +76,10 @@ def test_library_model_equals_plain_lightning(tmp_path: Path, family: str, sched
     assert (streamed == 0) == (schedule != "horizontal")
     if schedule == "default":  # the default budget leaves room for every block's graph: nothing recomputed
         assert trainer.strategy.vertical.kept_rounds == 2
+    if schedule == "spill":  # every graph to storage and back
+        assert trainer.strategy.vertical.spilled_rounds == 2 and trainer.strategy.vertical.kept_rounds == 0
+        written = engine.counters.total(link="host", kind="graphs", direction="write")
+        assert written == engine.graphs.written > 0 and not engine.graphs._graphs
 
 
 def test_a_model_without_blocks_is_refused_naming_offload_blocks(tmp_path: Path) -> None:

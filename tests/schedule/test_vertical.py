@@ -190,6 +190,24 @@ def test_kept_graphs_equal_recomputing_bit_for_bit(tmp_path: Path, keep: float) 
     assert all(torch.equal(got[k], expected[k]) for k in expected)
 
 
+@pytest.mark.parametrize("keep", [0.0, 0.5])
+def test_graphs_kept_on_storage_equal_recomputing_bit_for_bit(tmp_path: Path, keep: float) -> None:
+    """schedule.spill_activations: the graphs the memory does not keep go to storage (schedule/spill.py) and come
+    back for backward byte for byte: the same weights as recomputing, in fp32 with overlap and clipping on."""
+    settings = {"kind": "vertical", "micro_batches": 2, "overlap": 0.5}
+    recomputed = run(tmp_path / "r", 2, settings, 0.5)
+    spilled = run(tmp_path / "s", 2, {**settings, "keep_activations": keep, "spill_activations": 1.0 - keep}, 0.5)
+    expected, got = recomputed.strategy.consolidated_state_dict(), spilled.strategy.consolidated_state_dict()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    engine = spilled.strategy.engine
+    blocks = len(engine.layout.streamed)
+    assert engine.graphs.written > 0 and not engine.graphs._graphs  # every graph read back and dropped
+    written = engine.counters.total(link="host", kind="graphs", direction="write")
+    assert written == engine.graphs.written
+    assert engine.counters.total(link="host", kind="graphs", direction="read") <= written
+    assert len(spilled.strategy.vertical.spilled) == round((1.0 - keep) * blocks)
+
+
 def test_kept_graphs_in_bf16_track_recomputing(tmp_path: Path) -> None:
     settings = {"kind": "vertical", "micro_batches": 2}
     recomputed = run(tmp_path / "r", 2, settings, None, "bf16-mixed")
