@@ -73,14 +73,10 @@ def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage, 0, (storage.nbytes(),), (1,))
 
 
-def _users(buffer: torch.Tensor) -> int:
-    """Tensors sharing ``buffer``'s memory (itself and one handle counted): a view that outlived its graph shows."""
-    return int(torch._C._storage_Use_Count(buffer.untyped_storage()._cdata))
-
-
 class _Buffers:
     """Reused page-aligned buffers by size (rounded to whole MiB): the engine's allocator may hand out page-locked
-    memory, which is costly to get and must be freed explicitly."""
+    memory, which is costly to get and must be freed explicitly. A buffer comes back when its write is done or its
+    graph's backward is: autograd drops the tensors it unpacked from it when their backward node has run."""
 
     def __init__(self, allocator: Allocator) -> None:
         self._allocator = allocator
@@ -96,9 +92,6 @@ class _Buffers:
         return self._allocator.allocate(size)
 
     def release(self, buffer: torch.Tensor) -> None:
-        if _users(buffer) > 2:  # a view escaped the graph: leave the memory to it
-            log.debug("smart_infinity: a kept graph's buffer is still viewed after its backward; not reused")
-            return
         with self._lock:
             self._free.setdefault(buffer.numel(), []).append(buffer)
 
