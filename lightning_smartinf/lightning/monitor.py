@@ -156,7 +156,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"  storage: {summary['storage_backend']}",
         f"  update:  {summary['updater']}; engine host buffers {summary['engine_host_buffers_MiB']:.1f} MiB",
         *([f"  memory:  {summary['host_memory_placement']}"] if summary.get("host_memory_placement") else []),
-        f"  host link: {summary['host_link_bytes_per_param_per_step']:.2f} B/param/step (params, grads, state)"
+        f"  host link: {summary['host_link_bytes_per_param_per_step']:.2f} B/param/step (the kinds below)"
         + (f", summed over {ranks} ranks" if ranks > 1 else ""),
         *([f"  per rank:  {', '.join(f'rank {r} {n / 2**20:.1f} MiB' for r, n in enumerate(per_rank))}"]
           if ranks > 1 else []),

@@ -16,7 +16,8 @@ gradients of its inputs flow on into whatever produced them (an earlier block's 
 Kept graphs (GreedySnake): while ``keep_bytes`` lasts, a block runs for its micro-batches with autograd on and its
 graph is kept for backward instead of recomputed (a quarter less compute for it); the parameters it saved are kept
 as references and re-read when the block is fetched for backward (``kept.py``). A round whose graphs would overrun
-what is left is dropped and recomputed as usual.
+what is left is dropped and recomputed as usual, or, with ``spill``, kept on storage (``spill.py``): its saved
+activations are written as its forward ends and read back one block ahead of its backward.
 """
 
 from __future__ import annotations

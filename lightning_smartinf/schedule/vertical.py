@@ -5,8 +5,8 @@ micro-batches M, instead of once per micro-batch. Micro-batches visit the blocks
 alternates per block, so the micro-batch at the turn is the one whose activation was produced last). Only
 block-boundary activations are kept, one per micro-batch per boundary, on the device, in host memory or on
 storage (``schedule.checkpoint_host`` / ``checkpoint_nvme`` fractions); backward walks the blocks from the last,
-recomputing each block from its checkpoints and accumulating the block's gradients over all M micro-batches
-before they leave it.
+recomputing each block from its checkpoints, or going through its kept forward graph (in memory, ``kept.py``, or on
+storage, ``spill.py``), and accumulating the block's gradients over all M micro-batches before they leave it.
 
 The module opts in with two methods (the shipped GPT has them):
 
