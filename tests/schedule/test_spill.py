@@ -45,7 +45,7 @@ def grads(block: Block, x0: torch.Tensor, spill: GraphSpill | None, micros: int 
             spill.flush((0, m))
     if spill is not None:
         spill.prefetch([(0, m) for m in range(micros)])
-    for m, (x, out) in enumerate(graphs):
+    for m, (_, out) in enumerate(graphs):
         out.backward(torch.ones_like(out))
         if spill is not None:
             spill.release((0, m))
