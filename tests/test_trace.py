@@ -27,7 +27,9 @@ def test_a_traced_fit_records_blocks_io_and_updates(smart, tmp_path: Path) -> No
     assert trace.active() is None  # recording stopped after its iterations
     events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     names = {e["name"].split(" ")[0] for e in events if e["ph"] == "X"}
-    assert {"forward", "backward", "recompute", "fetch", "grads", "update", "read", "write", "iteration"} <= names
+    assert {"forward", "backward", "fetch", "grads", "update", "read", "write", "iteration"} <= names
+    # at budget 0 a block's backward recomputes it, or reads its graph back from storage: the planner's choice
+    assert "recompute" in names or any(e["name"] == "read graphs" for e in events)
     assert {e["cat"] for e in events if e["ph"] == "X" and e["name"].startswith("read")} == {"io"}
     summary = timeline.summary
     assert summary["iterations"] == 2

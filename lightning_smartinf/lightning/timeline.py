@@ -16,8 +16,9 @@ log = logging.getLogger(__name__)
 
 
 class Trace(pl.Callback):
-    """Record iterations ``start`` .. ``start + iterations - 1`` (counted from 0; the first ones warm up and have no
-    step to overlap), write the trace to ``path`` and log the exposed time per phase."""
+    """Record iterations ``start`` .. ``start + iterations - 1`` (optimizer steps, counted from 0; the first ones
+    warm up and have no step to overlap), write the trace to ``path`` and log the exposed time per phase. Under
+    ``accumulate_grad_batches`` an iteration is the whole window of batches its optimizer step ends."""
 
     def __init__(self, path: str | Path, start: int = 2, iterations: int = 2) -> None:
         self.path = Path(path)
@@ -25,21 +26,27 @@ class Trace(pl.Callback):
         self.tracer: trace.Tracer | None = None
         self.window: list[tuple[int, int]] = []
         self.summary: dict[str, Any] = {}
-        self._began = 0
+        self._began: int | None = None
+        self._step = 0
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:  # fmt: skip
-        if batch_idx == self.start and self.tracer is None:
+        if self._began is not None:  # within an accumulation window
+            return
+        if trainer.global_step == self.start and self.tracer is None:
             self.tracer = trace.start()
-        self._began = time.perf_counter_ns()
+        self._began, self._step = time.perf_counter_ns(), trainer.global_step
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:  # fmt: skip
-        if self.tracer is None or trace.active() is not self.tracer:
+        if trainer.global_step == self._step:  # no optimizer step yet: the iteration goes on
+            return
+        began, self._began = self._began, None
+        if self.tracer is None or trace.active() is not self.tracer or began is None:
             return
         now = time.perf_counter_ns()  # the iteration's end
-        self.tracer.record(f"iteration {batch_idx}", "iteration", self._began, now)
-        self.window.append((self._began, now))
+        self.tracer.record(f"iteration {self._step}", "iteration", began, now)
+        self.window.append((began, now))
         if len(self.window) == self.iterations:
             trace.stop()  # the files are written as training ends, outside the timed iterations
 
