@@ -217,13 +217,15 @@ class GraphSpill:
             graph = self._graphs.pop(key, None)
         if graph is None:
             return
-        if graph.read is not None:
-            graph.read.result()
-        elif graph.write is not None:
-            graph.write.result()
         graph.loaded.clear()
-        if graph.buffer is not None:
-            self._buffers.release(graph.buffer)
+        try:  # a failed request is over too: its buffer may go back either way
+            if graph.read is not None:
+                graph.read.result()
+            elif graph.write is not None:
+                graph.write.result()
+        finally:
+            if graph.buffer is not None:
+                self._buffers.release(graph.buffer)
 
     def clear(self) -> None:
         """Drop every graph (the end of an iteration, or a failed one): outstanding I/O is waited for first."""
