@@ -104,8 +104,7 @@ def block_flops(engine: OffloadEngine, hidden: torch.Tensor) -> float:
         for streamer in engine.streamers:
             streamer.release(1)
     tokens = hidden.numel() // hidden.shape[-1]
-    numel = engine.layout.blocks[1].numel + engine.frozen_layout.blocks[1].numel
-    return 2.0 * numel * tokens / seconds
+    return 2.0 * first_block_numel(engine) * tokens / seconds
 
 
 def kept_block_bytes(engine: OffloadEngine, hidden: torch.Tensor) -> int:
@@ -218,8 +217,12 @@ def estimated_graph_bytes(engine: OffloadEngine, tokens: int) -> int:
     block measured by ``kept_block_bytes``: 16.0 d; Llama's is alike), in the parameters' dtype."""
     if not engine.layout.streamed:
         return 0
-    numel = engine.layout.blocks[1].numel + engine.frozen_layout.blocks[1].numel
-    return int(16 * math.sqrt(numel / 12) * engine.itemsize * tokens)
+    return int(16 * math.sqrt(first_block_numel(engine) / 12) * engine.itemsize * tokens)
+
+
+def first_block_numel(engine: OffloadEngine) -> int:
+    """Parameters of the first streamed block, trainable and frozen (the blocks are alike)."""
+    return engine.layout.blocks[1].numel + engine.frozen_layout.blocks[1].numel
 
 
 def graph_storage(engine: OffloadEngine) -> int:

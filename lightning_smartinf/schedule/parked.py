@@ -127,8 +127,6 @@ class _Record:
     """The output as the thread gets it: the block's result with its tensors replaced by ``outputs``."""
     kept: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
     """A kept graph: the detached inputs it starts from and its outputs (None: recompute in backward)."""
-    spilled: bool = False
-    """The kept graph's saved activations are on storage (``engine.graphs``), keyed (round position, micro)."""
 
 
 @dataclass
@@ -306,7 +304,7 @@ class ParkedVertical:
                         with torch.no_grad():
                             result = flatten(call(p.fn, p.inputs, p.inputs.tensors), f"the output of block {index}")
                 leaves = [t.detach().requires_grad_() if p.grad and differentiable(t) else t for t in result.tensors]
-                this.records[m] = _Record(p, state, leaves, result.rebuild(leaves), kept, spill)
+                this.records[m] = _Record(p, state, leaves, result.rebuild(leaves), kept)
         finally:
             engine.exit_block(index, backward=False)
         self.spilled_rounds += spill

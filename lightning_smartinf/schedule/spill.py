@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightning_smartinf.storage.aligned import Allocator, align_up
+from lightning_smartinf.storage.aligned import Allocator, align_up, typed_view
 from lightning_smartinf.storage.store import TensorStore, done_future
 
 log = logging.getLogger(__name__)
@@ -207,8 +207,7 @@ class GraphSpill:
                 if graph.devices[saved.segment].type != "cpu":
                     segment = segment.to(graph.devices[saved.segment])
                 graph.loaded[saved.segment] = segment
-        itemsize = torch.empty((), dtype=saved.dtype).element_size()
-        typed = segment[: segment.numel() // itemsize * itemsize].view(saved.dtype)
+        typed = typed_view(segment, saved.dtype, segment.numel() // saved.dtype.itemsize)
         return typed.as_strided(saved.size, saved.stride, typed.storage_offset() + saved.offset)
 
     def release(self, key: tuple[int, int]) -> None:
