@@ -36,13 +36,12 @@ def opencl_adam(n: int, platform: str) -> Callable[[int], None]:
     import pyopencl as cl
 
     from lightning_smartinf.update.arguments import kernel_scalars
-    from lightning_smartinf.update.opencl import DeviceSpec, build_program, find_device, launch_shape
+    from lightning_smartinf.update.opencl import DeviceSpec, launch_shape, open_device
     from lightning_smartinf.update.optimizers import OptimizerRule, StateSpec
 
-    device = find_device(DeviceSpec(platform=platform))
-    ctx = cl.Context([device])
+    _, ctx, program = open_device(DeviceSpec(platform=platform), torch.float32, torch.float32)
     queue = cl.CommandQueue(ctx)
-    kernel = build_program(ctx, device, torch.float32, torch.float32, None).adam
+    kernel = program.adam
     flags = cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR
     master, grad, exp_avg, exp_avg_sq = adam_state(n)
     buffers = [cl.Buffer(ctx, flags, hostbuf=a) for a in (master, exp_avg, exp_avg_sq, grad, master)]

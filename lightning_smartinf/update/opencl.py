@@ -99,21 +99,65 @@ def describe_platforms() -> str:
     return "; ".join(found) if found else "no OpenCL platform"
 
 
-def find_device(spec: DeviceSpec) -> Any:
-    """The OpenCL device of ``spec``, or an error listing what exists and how to get more."""
+def candidate_devices(spec: DeviceSpec) -> list[Any]:
+    """Device ``spec.device`` of every platform matching ``spec.platform``, in the ICD loader's order, or an error
+    listing what exists and how to get more. Several PoCL builds may be installed (the wheel's, Debian's): each is a
+    candidate, since one may build kernels on a CPU where another cannot."""
     platforms = [p for p in _platforms() if spec.platform.lower() in p.name.lower()]
     if not platforms:
         raise SetupError(
             f"update=smart: no OpenCL platform matching {spec.platform!r}; found: {describe_platforms()}. "
             f"To run the kernels on this machine's CPU, {INSTALL_HINT}"
         )
-    devices = platforms[0].get_devices()
-    if not 0 <= spec.device < len(devices):
+    devices = [p.get_devices()[spec.device] for p in platforms if 0 <= spec.device < len(p.get_devices())]
+    if not devices:
+        counts = ", ".join(f"{p.name!r} {p.version!r}: {len(p.get_devices())}" for p in platforms)
         raise SetupError(
-            f"update=smart: platform {platforms[0].name!r} has {len(devices)} device(s), index {spec.device} does not "
-            f'exist. PoCL exposes more CPU devices with POCL_DEVICES="{" ".join(["pthread"] * (spec.device + 1))}"'
+            f"update=smart: device index {spec.device} does not exist on any platform matching {spec.platform!r} "
+            f"({counts}). "
+            f'PoCL exposes more CPU devices with POCL_DEVICES="{" ".join(["pthread"] * (spec.device + 1))}"'
         )
-    return devices[spec.device]
+    return devices
+
+
+class KernelBuildError(SetupError):
+    """A kernel source that one OpenCL device's compiler refused; ``log`` is the compiler's output."""
+
+    def __init__(self, message: str, device: Any, log: str) -> None:
+        super().__init__(message)
+        self.device, self.log = device, log
+
+    @property
+    def unknown_cpu(self) -> bool:
+        """PoCL passed LLVM's name for the host CPU and LLVM did not know it (``unknown target CPU 'generic'``)."""
+        return "unknown target CPU" in self.log
+
+
+GENERIC_CPU_HINT = (
+    "the LLVM inside that PoCL does not know this CPU (it calls it 'generic'). Install a PoCL that targets the CPU "
+    "by its features, e.g. `apt-get install pocl-opencl-icd` on Debian/Ubuntu (found beside the wheel's at the next "
+    "start), or set POCL_LLVM_CPU_NAME=x86-64 for a PoCL 3.1 or newer built for one CPU"
+)
+
+
+def open_device(spec: DeviceSpec, grad_dtype: torch.dtype, param_dtype: torch.dtype,
+                source_name: str = KERNEL_SOURCE) -> tuple[Any, Any, Any]:  # fmt: skip
+    """(device, context, program) on the first candidate device that builds ``fpga_kernels/<source_name>`` (or
+    loads ``spec.binary``): building is the only test of a device that tells the truth, so each is tried in turn.
+    Where none builds, one error says why and what to install or set."""
+    import pyopencl as cl
+
+    failures: list[KernelBuildError] = []
+    for device in candidate_devices(spec):
+        context = cl.Context([device])
+        try:
+            return device, context, build_program(context, device, grad_dtype, param_dtype, spec.binary, source_name)
+        except KernelBuildError as err:
+            failures.append(err)
+    if all(f.unknown_cpu for f in failures):
+        tried = "; ".join(f"{f.device.name!r} ({f.device.platform.version.split('  ')[0]})" for f in failures)
+        raise SetupError(f"update=smart: no OpenCL device builds {source_name}: {tried}: {GENERIC_CPU_HINT}")
+    raise next(f for f in failures if not f.unknown_cpu)
 
 
 def build_program(context: Any, device: Any, grad_dtype: torch.dtype, param_dtype: torch.dtype,
@@ -131,12 +175,13 @@ def build_program(context: Any, device: Any, grad_dtype: torch.dtype, param_dtyp
         try:
             return cl.Program(context, [device], [data]).build()
         except cl.Error as err:
-            raise SetupError(
+            raise KernelBuildError(
                 f"update=smart: the kernel binary {binary} does not load on {device.name!r} (built for another device "
-                f"or platform?): {err}"
+                f"or platform?): {err}", device, str(err)
             ) from err
     source = (asset_dir("fpga_kernels") / source_name).read_text()
     try:
         return cl.Program(context, source).build(options=options)
     except cl.Error as err:
-        raise SetupError(f"update=smart: {source_name} failed to build on {device.name!r}:\n{err}") from err
+        raise KernelBuildError(f"update=smart: {source_name} failed to build on {device.name!r}:\n{err}", device,
+                               str(err)) from err

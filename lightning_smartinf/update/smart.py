@@ -39,8 +39,8 @@ from lightning_smartinf.update.opencl import (
     NamedKernel,
     build_program,
     ensure_pocl_devices,
-    find_device,
     launch_shape,
+    open_device,
 )
 from lightning_smartinf.update.optimizers import LAST_STEP, OptimizerRule
 
@@ -180,10 +180,8 @@ class NearStorageDevice:
         self.directory = directory
         self.host_view = FileStore(store.root, store.backend, store.counters, HOST_LINK)
         """The same directory as seen by the trainer, whose writes cross the host link."""
-        self.device = find_device(spec)
-        self.context = cl.Context([self.device])
+        self.device, self.context, self.program = open_device(spec, grad_dtype, param_dtype)
         self.queue = cl.CommandQueue(self.context)
-        self.program = build_program(self.context, self.device, grad_dtype, param_dtype, spec.binary)
         dense = rule.name if rule.name != "adamw" else "adam"
         self.kernel = NamedKernel(self.program, dense, KERNEL_SOURCE, KERNEL_ARGUMENTS[dense])
         nnz = 0

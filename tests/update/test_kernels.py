@@ -17,9 +17,8 @@ from lightning_smartinf.update.opencl import (
     KERNEL_SOURCE,
     SPARSE_SOURCE,
     DeviceSpec,
-    build_program,
-    find_device,
     launch_shape,
+    open_device,
 )
 from lightning_smartinf.update.optimizers import OptimizerRule, StateSpec, torch_update
 
@@ -42,9 +41,8 @@ def open_program(platform: str, grad_dtype: torch.dtype, param_dtype: torch.dtyp
     """(context, queue, built program) for ``fpga_kernels/<source>`` on the platform's first device."""
     import pyopencl as cl
 
-    device = find_device(DeviceSpec(platform=platform))
-    ctx = cl.Context([device])
-    return ctx, cl.CommandQueue(ctx), build_program(ctx, device, grad_dtype, param_dtype, None, source)
+    _, ctx, program = open_device(DeviceSpec(platform=platform), grad_dtype, param_dtype, source)
+    return ctx, cl.CommandQueue(ctx), program
 
 
 def run_kernel(platform: str, name: str, grad_dtype: torch.dtype, param_dtype: torch.dtype, steps: int = 3,
