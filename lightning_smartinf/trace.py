@@ -33,6 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+IO_CPU = "io-cpu"
+"""The CPU work of I/O (checksums, copies into and out of I/O buffers), on whichever thread does it: on a CPU host it
+shares the cores with compute, so the summary totals it over all threads."""
+
 
 @dataclass
 class Event:
@@ -106,6 +110,20 @@ class Tracer:
                 row["bytes"] += e.args["bytes"]
                 row["busy_s"] += (e.end_ns - e.start_ns) / 1e9
                 row["queue_s"] += e.args["queue_ms"] / 1e3
+        return {k: dict(v) for k, v in rows.items()}
+
+
+    def cpu_work(self, start_ns: int, end_ns: int) -> dict[str, dict[str, float]]:
+        """The ``io-cpu`` spans in ``[start_ns, end_ns)`` by name (``checksum``, ``copy graphs``, ...): seconds summed
+        over every thread, the training thread's share of them, and bytes."""
+        rows: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        for e in self.events:
+            if e.cat == IO_CPU and start_ns <= e.start_ns < end_ns:
+                row = rows[e.name]
+                seconds = (e.end_ns - e.start_ns) / 1e9
+                row["seconds"] += seconds
+                row["training_thread_s"] += seconds if e.tid == self.main_tid else 0.0
+                row["bytes"] += e.args.get("bytes", 0)
         return {k: dict(v) for k, v in rows.items()}
 
 

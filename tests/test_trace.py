@@ -36,3 +36,8 @@ def test_a_traced_fit_records_blocks_io_and_updates(smart, tmp_path: Path) -> No
     assert abs(sum(summary["phases"].values()) - summary["seconds_per_iteration"]) < 1e-6
     assert summary["io"]["read master"]["bytes"] > 0
     assert Path(summary["plot"]).stat().st_size > 10_000  # the picture of the timeline
+    # the CPU work of I/O, on every thread: each byte written or read back is checksummed once (offload.verify_io)
+    checksum = summary["io_cpu"]["checksum"]
+    written = sum(row["bytes"] for kind, row in summary["io"].items() if kind.startswith("write"))
+    assert written <= checksum["bytes"] and checksum["seconds"] > 0
+    assert 0 <= checksum["training_thread_s"] <= checksum["seconds"]

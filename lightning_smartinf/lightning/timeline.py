@@ -65,13 +65,14 @@ class Trace(pl.Callback):
         phases = {k: v / n for k, v in sorted(tracer.exposed(first, last).items(), key=lambda kv: -kv[1])}
         io = tracer.io_summary(first, last)
         self.summary = {"iterations": n, "seconds_per_iteration": (last - first) / 1e9 / n, "phases": phases,
-                        "io": io, "trace": str(tracer.write(self.path)),
+                        "io": io, "io_cpu": tracer.cpu_work(first, last), "trace": str(tracer.write(self.path)),
                         "plot": str(plot_timeline(tracer, first, last, self.path.with_suffix(".png")))}  # fmt: skip
         log.info("%s", format_summary(self.summary))
 
 
 COLORS = {"compute": "#4c72b0", "recompute": "#8172b2", "wait": "#c44e52", "update-wait": "#e377c2",
-          "grads": "#dd8452", "step": "#937860", "update": "#55a868", "io": "#8c8c8c"}
+          "grads": "#dd8452", "step": "#937860", "update": "#55a868", "io": "#8c8c8c",
+          "io-cpu": "#ccb974"}
 
 
 def plot_timeline(tracer: trace.Tracer, start_ns: int, end_ns: int, path: Path) -> Path:
@@ -89,7 +90,7 @@ def plot_timeline(tracer: trace.Tracer, start_ns: int, end_ns: int, path: Path) 
         if e.cat != "iteration" and e.end_ns >= start_ns and e.start_ns <= end_ns:
             groups.setdefault((e.tid, e.cat), []).append(((e.start_ns - start_ns) / 1e9, (e.end_ns - e.start_ns) / 1e9))
     for cat in COLORS:  # nested spans (wait, recompute, grads) drawn after, thinner, on top
-        height = 0.45 if cat in ("wait", "update-wait", "recompute", "grads") else 0.6
+        height = 0.45 if cat in ("wait", "update-wait", "recompute", "grads", "io-cpu") else 0.6
         for (tid, group_cat), spans in groups.items():
             if group_cat == cat:
                 ax.broken_barh(spans, (rows[tid] - height / 2, height), facecolors=COLORS[cat], linewidth=0)
@@ -115,4 +116,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"  io {kind:<16} {row['requests'] / n:6.0f} req {row['bytes'] / n / 1e6:9.1f} MB  busy "
                      f"{row['busy_s'] / n:7.3f} s  queued {row['queue_s'] / max(row['requests'], 1) * 1e3:7.2f} ms "
                      "avg per iteration")  # fmt: skip
+    for name, row in sorted(summary.get("io_cpu", {}).items()):
+        n = summary["iterations"]
+        lines.append(f"  io-cpu {name:<13} {row['bytes'] / n / 1e6:9.1f} MB  {row['seconds'] / n:7.3f} s on all "
+                     f"threads, {row['training_thread_s'] / n:.3f} s of it on the training thread, per iteration")
     return "\n".join(lines)

@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lightning_smartinf import trace
 from lightning_smartinf.storage.aligned import Allocator, align_up, typed_view
 from lightning_smartinf.storage.store import TensorStore, done_future
+from lightning_smartinf.trace import IO_CPU
 
 log = logging.getLogger(__name__)
 
@@ -151,8 +153,9 @@ class GraphSpill:
         if graph is None or not graph.sources:
             return
         buffer = self._buffers.acquire(graph.nbytes)
-        for offset, source in zip(graph.offsets, graph.sources, strict=True):
-            buffer[offset : offset + source.numel()].copy_(source)
+        with trace.span("copy graph", IO_CPU, bytes=graph.nbytes):
+            for offset, source in zip(graph.offsets, graph.sources, strict=True):
+                buffer[offset : offset + source.numel()].copy_(source)
         graph.sources.clear()
         graph.buffer = buffer
         graph.write = self.store.write(GRAPHS, _name(key), buffer, graph.nbytes)
