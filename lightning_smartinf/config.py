@@ -57,9 +57,9 @@ class OffloadConfig:
     check_free_space: bool = True
     """Refuse to start when nvme_path has less free space than the planned state."""
     verify_io: bool = True
-    """CRC-32C of every state file written, checked when the run reads it back; a failed read or write (an I/O error,
-    wrong bytes) is retried once, then an error naming the file (storage/store.py). ``false`` saves the sums' CPU
-    time."""
+    """A checksum (XXH3-64, storage/checksum.py) of every state file written, checked when the run reads it back; a
+    failed read or write (an I/O error, wrong bytes) is retried once, then an error naming the file
+    (storage/store.py). ``false`` saves the sums' CPU time."""
     async_save: bool = True
     """Checkpoints saved during fit are written in the background while training goes on (the next step waits only
     at a subgroup whose state is not yet copied); ``false``: training waits for each save."""

@@ -41,7 +41,7 @@ LAYERS: tuple[Layer, ...] = (
           "Layout, Block, Subgroup, StepContext and the names of state kinds and links; errors; the span trace; "
           "package resources; pinned host memory; DeepSpeed's JIT-built ops"),
     Layer("config", ("config",), ("ground",), (), "the dataclasses behind the Hydra groups"),
-    Layer("storage", ("storage.*",), ("ground",), ("deepspeed", "crc32c", "numpy"),
+    Layer("storage", ("storage.*",), ("ground",), ("deepspeed", "xxhash", "numpy"),
           "O_DIRECT aligned buffers, the aio and thread-pool backends, stores, counters, locks, the disk probe; "
           "takes plain IOSettings, not the config"),
     Layer("ecosystem", ("ecosystem.*",), ("ground",), ("transformers", "peft", "tokenizers"),
@@ -52,7 +52,7 @@ LAYERS: tuple[Layer, ...] = (
           "the host and near-storage updaters, OpenCL programs, optimizer rules"),
     Layer("schedule", ("schedule.*",), ("ground", "storage", "ecosystem"), (),
           "horizontal, parked and vertical schedules, kept graphs, accumulation windows, the planner"),
-    Layer("checkpoint", ("checkpoint.*",), ("ground", "storage"), ("numpy", "omegaconf", "crc32c"),
+    Layer("checkpoint", ("checkpoint.*",), ("ground", "storage"), ("numpy", "omegaconf"),
           "the crash-safe protocol, manifest, file copies, shards, offline export, the trainer state as data"),
     Layer("engine", ("engine.*",),
           ("ground", "config", "storage", "ecosystem", "compress", "update", "schedule", "checkpoint"),

@@ -1,13 +1,13 @@
 """Durable file writes for checkpoints: every byte hashed on its way to disk, fsynced, disk-full named.
 
 A checkpoint file is written once, by one of these helpers, so its SHA-256 comes for free with the write and the
-manifest can list it without a second read. ``os.write``, ``hashlib`` and ``crc32c`` all release the GIL, so several
+manifest can list it without a second read. ``os.write``, ``hashlib`` and ``xxhash`` all release the GIL, so several
 files copy in parallel threads.
 
-A copy of a live state file is checked on its way too: the CRC-32C of the bytes read must match the one the run
-recorded when it wrote the file (``WrittenSum``), so a disk that returns wrong bytes, or kept a torn write, cannot
-slip into a checkpoint under a valid SHA-256. A failed copy (an I/O error, a mismatch) is retried once with a
-warning, since a copy is idempotent; a second failure is an error naming the file.
+A copy of a live state file is checked on its way too: the checksum of the bytes read (``storage/checksum.py``)
+must match the one the run recorded when it wrote the file (``WrittenSum``), so a disk that returns wrong bytes,
+or kept a torn write, cannot slip into a checkpoint under a valid SHA-256. A failed copy (an I/O error, a mismatch)
+is retried once with a warning, since a copy is idempotent; a second failure is an error naming the file.
 """
 
 from __future__ import annotations
@@ -21,10 +21,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import crc32c
-
 from lightning_smartinf.errors import StorageError
 from lightning_smartinf.storage.aligned import ALIGNMENT, aligned_bytes
+from lightning_smartinf.storage.checksum import RunningChecksum, describe
 from lightning_smartinf.storage.io import bytes_view
 from lightning_smartinf.storage.space import human_bytes
 from lightning_smartinf.storage.store import CorruptReadError, WrittenSum
@@ -41,39 +40,41 @@ class FileRecord:
 
     nbytes: int
     sha256: str
-    crc32c: int | None = None
-    """Of the whole file, where the copy was asked for it (``copy_file(crc=True)``; not kept in the manifest)."""
+    checksum: int | None = None
+    """Of the whole file (``storage/checksum.py``), where the copy was asked for it (``copy_file(checksum=True)``;
+    not kept in the manifest)."""
 
 
 class Digest:
-    """The SHA-256 of a stream of chunks; with ``expect``, the CRC-32C of its first ``expect.nbytes`` bytes, which
-    ``record`` checks against ``expect.crc``; with ``crc``, the CRC-32C of all of it. The CRC runs only where one of
-    them needs it: checkpoint writes and verification hash every byte of a checkpoint, and need neither."""
+    """The SHA-256 of a stream of chunks; with ``expect``, the checksum of its first ``expect.nbytes`` bytes, which
+    ``record`` checks against ``expect.checksum``; with ``whole``, the checksum of all of it. The checksum runs only
+    where one of them needs it: checkpoint writes and verification hash every byte of a checkpoint, and need
+    neither."""
 
-    def __init__(self, source: Path, expect: WrittenSum | None = None, crc: bool = False) -> None:
-        self.source, self.expect, self.whole = source, expect, crc
+    def __init__(self, source: Path, expect: WrittenSum | None = None, whole: bool = False) -> None:
+        self.source, self.expect, self.whole = source, expect, whole
         self.sha256 = hashlib.sha256()
-        self.crc = 0
+        self.running = RunningChecksum()
         self.size = 0
-        self.prefix_crc: int | None = None
+        self.prefix: int | None = None
 
     def update(self, chunk: bytes | memoryview) -> None:
         if self.expect is not None and self.size < self.expect.nbytes <= self.size + len(chunk):
-            self.prefix_crc = crc32c.crc32c(chunk[: self.expect.nbytes - self.size], self.crc)
+            self.prefix = self.running.with_tail(chunk[: self.expect.nbytes - self.size])
         self.sha256.update(chunk)
-        if self.whole or (self.expect is not None and self.prefix_crc is None):
-            self.crc = crc32c.crc32c(chunk, self.crc)
+        if self.whole or (self.expect is not None and self.prefix is None):
+            self.running.update(chunk)
         self.size += len(chunk)
 
     def record(self) -> FileRecord:
         expect = self.expect
-        if expect is not None and expect.nbytes > 0 and self.prefix_crc != expect.crc:
-            found = "the file is shorter" if self.prefix_crc is None else f"CRC-32C {self.prefix_crc:08x}"
+        if expect is not None and expect.nbytes > 0 and self.prefix != expect.checksum:
+            found = "the file is shorter" if self.prefix is None else describe(self.prefix)
             raise CorruptReadError(
                 f"copying {self.source}: its first {expect.nbytes} bytes differ from those this run wrote ({found}, "
-                f"written {expect.crc:08x}): the disk returned wrong data or kept a torn write"
+                f"written {describe(expect.checksum)}): the disk returned wrong data or kept a torn write"
             )
-        return FileRecord(self.size, self.sha256.hexdigest(), self.crc if self.whole else None)
+        return FileRecord(self.size, self.sha256.hexdigest(), self.running.value() if self.whole else None)
 
 
 class DiskFullError(StorageError):
@@ -125,13 +126,14 @@ def write_chunks(path: Path, chunks: Iterable[bytes | memoryview], digest: Diges
 
 
 def copy_file(source: Path, target: Path, replace: bool = False, expect: WrittenSum | None = None,
-              crc: bool = False) -> FileRecord:  # fmt: skip
+              checksum: bool = False) -> FileRecord:  # fmt: skip
     """Copy ``source`` to ``target``, checking the bytes read against ``expect`` (see the module docstring) and
     retrying once, with a warning, if the copy fails other than for a full disk. ``replace``: overwrite an existing
-    ``target`` (restoring live state) instead of refusing to; ``crc``: also return the CRC-32C of the whole file."""
+    ``target`` (restoring live state) instead of refusing to; ``checksum``: also return the checksum of the whole
+    file."""
     for attempt in (1, 2):
         try:
-            return _copy_once(source, target, replace, lambda: Digest(source, expect, crc))
+            return _copy_once(source, target, replace, lambda: Digest(source, expect, checksum))
         except OSError as err:
             target.unlink(missing_ok=True)  # no partial copy is left behind
             if attempt == 2 or err.errno in FULL_ERRNOS:

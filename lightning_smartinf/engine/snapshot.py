@@ -285,10 +285,10 @@ def load_engine_state(engine: Stateful, manifest: Manifest, prefix: str, meta: d
                 if saved.is_file() and sg.key not in in_ram:
                     copies.append((saved, state_dir / kind / sg.key))
     with ThreadPoolExecutor(max_workers=COPY_THREADS, thread_name_prefix="smartinf-restore") as pool:
-        records = list(pool.map(lambda pair: copy_file(pair[0], pair[1], replace=True, crc=True), copies))
+        records = list(pool.map(lambda pair: copy_file(pair[0], pair[1], replace=True, checksum=True), copies))
     # the files were replaced behind the stores' backs: later reads are checked against what the copies wrote
-    sums = {live: WrittenSum(record.nbytes, record.crc32c)
-            for (_, live), record in zip(copies, records, strict=True) if record.crc32c is not None}  # fmt: skip
+    sums = {live: WrittenSum(record.nbytes, record.checksum)
+            for (_, live), record in zip(copies, records, strict=True) if record.checksum is not None}  # fmt: skip
     engine.replaced(sums)
     compressor = engine.compressor
     if compressor is not None and compressor.has_state:

@@ -5,7 +5,7 @@ quarter more compute for it, and with nothing kept at all the step is 8/6 of the
 is seldom busy all the step (at GPT-350M, sequence 256, the state traffic of the overlapped step takes about 5 s of
 a 13 s compute), so the graph is kept anyway with its saved tensors on storage: each (block, micro-batch) graph's
 activation storages are packed into one page-aligned buffer when its forward ends, written through the engine's
-store (O_DIRECT, CRC-checked under ``offload.verify_io``), and read back one block ahead of its backward. The bytes
+store (O_DIRECT, checksummed under ``offload.verify_io``), and read back one block ahead of its backward. The bytes
 are copied, not recomputed, so gradients equal the in-memory kept graph's bit for bit. Parameters a graph saved stay
 references (``kept.py``); graph inputs and small tensors stay in memory.
 """

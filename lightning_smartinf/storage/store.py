@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-import crc32c
 import torch
 
 from lightning_smartinf import trace
 from lightning_smartinf.errors import StorageError
 from lightning_smartinf.storage.aligned import Allocator, align_up, aligned_bytes
+from lightning_smartinf.storage.checksum import checksum, describe
 from lightning_smartinf.storage.counters import READ, WRITE, TrafficCounters
 from lightning_smartinf.storage.io import IOBackend, PageLocked, bytes_view
 from lightning_smartinf.trace import IO_CPU
@@ -34,19 +34,18 @@ class CorruptReadError(StorageError):
 
 @dataclass(frozen=True)
 class WrittenSum:
-    """What this run wrote to a file: the CRC-32C of its first ``nbytes``. A later read of the file, and a copy of
-    it into a checkpoint, are checked against it."""
+    """What this run wrote to a file: the checksum (``storage/checksum.py``) of its first ``nbytes``. A later read
+    of the file, and a copy of it into a checkpoint, are checked against it."""
 
     nbytes: int
-    crc: int
+    checksum: int
 
 
-def crc32(buffer: torch.Tensor, payload: int) -> int:
-    """CRC-32C of the first ``payload`` bytes of a uint8 buffer: the CPU's crc32 instruction through the ``crc32c``
-    package (11 GB/s on one core here, against zlib's 3.9), outside the GIL. Traced as ``io-cpu``: the CPU work of
-    I/O, which shares the cores with compute on a CPU host."""
+def buffer_checksum(buffer: torch.Tensor, payload: int) -> int:
+    """The checksum of the first ``payload`` bytes of a uint8 buffer, outside the GIL. Traced as ``io-cpu``: the CPU
+    work of I/O, which shares the cores with compute on a CPU host."""
     with trace.span("checksum", IO_CPU, bytes=payload):
-        return int(crc32c.crc32c(bytes_view(buffer[:payload])))
+        return checksum(bytes_view(buffer[:payload]))
 
 
 def done_future() -> Future[None]:
@@ -73,10 +72,10 @@ class TensorStore(Protocol):
 class FileStore:
     """One file per name under ``root/kind/key``, through an async O_DIRECT backend; traffic counted on ``link``.
 
-    With ``verify`` (``offload.verify_io``), every write records the CRC-32C of its payload and every later read of
+    With ``verify`` (``offload.verify_io``), every write records the checksum of its payload and every later read of
     that file in this run is checked against it, so a disk that returns wrong bytes (a flipped bit, a torn or lost
     write) is caught when the data is used, not at the next resume. Reads and whole-file writes are idempotent: a
-    failed one (an I/O error, a CRC mismatch) is retried once, with a warning; a second failure is an error that
+    failed one (an I/O error, a checksum mismatch) is retried once, with a warning; a second failure is an error that
     names the file. A restore records the sums of the files it wrote (``record_written``)."""
 
     def __init__(self, root: Path, backend: IOBackend, counters: TrafficCounters, link: str,
@@ -107,10 +106,11 @@ class FileStore:
         def check() -> None:
             if expected is None or expected.nbytes > span.numel():
                 return
-            if (found := crc32(buffer, expected.nbytes)) != expected.crc:
+            if (found := buffer_checksum(buffer, expected.nbytes)) != expected.checksum:
                 raise CorruptReadError(
                     f"reading {payload} bytes of {kind} {key} from {path}: the bytes read differ from those written "
-                    f"in this run (CRC-32C {found:08x}, written {expected.crc:08x}): the disk returned wrong data"
+                    f"in this run ({describe(found)}, written {describe(expected.checksum)}): the disk returned "
+                    "wrong data"
                 )
 
         return self._with_retry(lambda: self.backend.read(path, span, urgent), check, f"reading {path}")
@@ -121,7 +121,7 @@ class FileStore:
         if not self.verify:
             return self.backend.write(path, span)
         # the buffer is final from here until the write is done
-        self._sums[(kind, key)] = WrittenSum(payload, crc32(buffer, payload))
+        self._sums[(kind, key)] = WrittenSum(payload, buffer_checksum(buffer, payload))
         return self._with_retry(lambda: self.backend.write(path, span), lambda: None, f"writing {path}")
 
     def _with_retry(self, submit: Callable[[], Future[None]], check: Callable[[], None], what: str) -> Future[None]:

@@ -7,12 +7,12 @@ import logging
 import os
 from pathlib import Path
 
-import crc32c
 import pytest
 
 from lightning_smartinf.checkpoint import files
 from lightning_smartinf.checkpoint.files import copy_file, hash_file
 from lightning_smartinf.errors import StorageError
+from lightning_smartinf.storage.checksum import checksum
 from lightning_smartinf.storage.store import CorruptReadError, WrittenSum
 
 PAYLOAD = 3 * 4096 + 100
@@ -22,17 +22,17 @@ PAYLOAD = 3 * 4096 + 100
 def state_file(path: Path) -> WrittenSum:
     data = os.urandom(PAYLOAD) + bytes(4 * 4096 - PAYLOAD)
     path.write_bytes(data)
-    return WrittenSum(PAYLOAD, crc32c.crc32c(data[:PAYLOAD]))
+    return WrittenSum(PAYLOAD, checksum(data[:PAYLOAD]))
 
 
 def test_a_copy_checked_against_the_written_sum_records_both_sums(tmp_path: Path) -> None:
     written = state_file(tmp_path / "live")
-    record = copy_file(tmp_path / "live", tmp_path / "copy", expect=written, crc=True)
+    record = copy_file(tmp_path / "live", tmp_path / "copy", expect=written, checksum=True)
     assert (tmp_path / "copy").read_bytes() == (tmp_path / "live").read_bytes()
     hashed = hash_file(tmp_path / "copy")
     assert (record.nbytes, record.sha256) == (hashed.nbytes, hashed.sha256)
-    assert record.crc32c == crc32c.crc32c((tmp_path / "live").read_bytes())
-    assert hashed.crc32c is None  # hashing a checkpoint computes no CRC it would not use
+    assert record.checksum == checksum((tmp_path / "live").read_bytes())
+    assert hashed.checksum is None  # hashing a checkpoint computes no checksum it would not use
 
 
 def test_a_file_that_differs_from_what_was_written_is_refused_naming_it(tmp_path: Path, caplog) -> None:
@@ -89,7 +89,8 @@ def test_an_io_error_that_persists_names_the_file(tmp_path: Path, monkeypatch) -
 
 
 def test_the_written_sum_is_checked_across_chunks(tmp_path: Path, monkeypatch) -> None:
-    """A file longer than one read: the CRC runs over the chunks up to the payload's end, in the chunk it ends in."""
+    """A file longer than one read: the checksum runs over the chunks up to the payload's end, in the chunk it ends
+    in."""
     monkeypatch.setattr(files, "CHUNK", 4096)
     written = state_file(tmp_path / "live")
     copy_file(tmp_path / "live", tmp_path / "copy", expect=written)

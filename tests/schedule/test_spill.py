@@ -82,7 +82,7 @@ def test_buffers_are_reused_across_iterations(tmp_path: Path) -> None:
 
 
 def test_a_graph_the_disk_returns_wrong_is_an_error_naming_its_file(tmp_path: Path) -> None:
-    """The graph's file damaged between its write and its read: the CRC check fails the read (twice: the retry
+    """The graph's file damaged between its write and its read: the checksum fails the read (twice: the retry
     reads the same damage) and backward stops with the file's name instead of training on wrong activations."""
     torch.manual_seed(0)
     block = Block()
