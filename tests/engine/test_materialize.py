@@ -77,6 +77,18 @@ class NoRoute(pl.LightningModule):
         return torch.optim.AdamW(self.parameters())
 
 
+def test_the_meta_hook_lives_only_inside_the_block() -> None:
+    """Inside, parameters land on meta (also in nested blocks); after it, ``nn.Module.register_parameter`` is torch's
+    own again and a module built outside gets real parameters."""
+    original = torch.nn.Module.register_parameter
+    with meta_parameters():
+        with meta_parameters():
+            assert torch.nn.Linear(2, 2).weight.is_meta
+        assert torch.nn.Linear(2, 2).weight.is_meta
+    assert torch.nn.Module.register_parameter is original
+    assert not torch.nn.Linear(2, 2).weight.is_meta
+
+
 def test_a_meta_parameter_without_an_init_route_is_refused_before_anything_is_written(tmp_path: Path) -> None:
     with meta_parameters():
         module = NoRoute()
