@@ -260,7 +260,7 @@ def build(model: nn.Module, optimizer: Optimizer | None, offload: OffloadConfig,
         log.info("smart_infinity storage backend: %s%s", directories.backends[0].name,
                  f"; state striped over {len(roots)} directories" if len(roots) > 1 else "")  # fmt: skip
         disk: FileStore | StripedStore = stores[0] if len(stores) == 1 else StripedStore(stores)
-        partition, overlapped = Partition(layout), OverlappedStep(len(layout.blocks))
+        partition, overlapped = Partition(layout), OverlappedStep(len(layout.blocks), device.type == "cpu")
         pin, on_disk = device.type == "cuda", offload.params == "nvme"
         # the stores a placement may split between RAM and disk are built first, empty of RAM names, so that
         # ``auto`` sees every buffer pool the engine allocates before it sizes the budget
