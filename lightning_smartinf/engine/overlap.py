@@ -7,18 +7,18 @@ checkpoint, a read of the masters or shutdown). A failure on the step's thread w
 the trainer's thread at the next of those waits.
 
 On a CPU device compute and the step share the same cores: torch's operations on the step's thread (DeepSpeed's
-CPU Adam, the conversions to 16-bit) would start a second OpenMP team as wide as compute's, and two teams
-spinning on two cores stall each other at every barrier. So while the trainer computes, the step's math runs on one
-thread (``pace``), and on all of compute's threads while the trainer waits for it. Measured on GPT-350M, sequence
-128, everything on storage, 2 cores: 11.2 and 10.8 s per iteration against 12.5 and 12.5 s with one team per
-thread each as wide as compute's (alternating runs).
+CPU Adam, the conversions to 16-bit) would start a second OpenMP team as wide as compute's, and two teams spinning
+on the same cores stall each other at every barrier. So the step's thread runs its math on one intra-op thread
+(``shares_cores``). The count is fixed, not chosen by whether the trainer is waiting at the moment: how elementwise
+kernels split their work decides which elements take the vectorized path, so a count that varied with timing would
+make runs differ in the last bit. Measured on GPT-350M, sequence 128, everything on storage, 2 cores: 11.2 and
+10.8 s per iteration against 12.5 and 12.5 s with a team as wide as compute's (alternating runs).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
 
@@ -29,7 +29,8 @@ class StepFailedError(RuntimeError):
 
 class OverlappedStep:
     def __init__(self, blocks: int, shares_cores: bool = False) -> None:
-        """``shares_cores``: compute runs on the CPU cores the step uses (a CPU device), see ``pace``."""
+        """``shares_cores``: compute runs on the CPU cores the step uses (a CPU device): the step's thread runs its
+        math on one intra-op thread (see the module docstring)."""
         self._current = [threading.Event() for _ in range(blocks)]
         """Set while a block's stored parameters are current; cleared while a running step updates them."""
         for event in self._current:
@@ -39,21 +40,16 @@ class OverlappedStep:
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None
         self.shares_cores = shares_cores
-        self._waiting = 0
-        """The trainer's waits in progress: while there are any, the step may use every core."""
-        self._compute_threads = 1
-        """Compute's intra-op threads, read on the trainer's thread when the step starts."""
-        self._step_threads = 0
-        """The step thread's intra-op threads as last set (0: not set)."""
 
     # -- on the trainer's thread ------------------------------------------------------------------------------------
     def start(self, run: Callable[[], None]) -> None:
         """Run ``run`` (the step) on its own thread."""
         self._done = 0
-        self._compute_threads = torch.get_num_threads()
+        compute_threads = torch.get_num_threads()  # the trainer's
 
         def guarded() -> None:
-            self._step_threads = 0
+            if self.shares_cores:
+                torch.set_num_threads(1)  # this thread's OpenMP team; torch also keeps it for threads started later
             try:
                 run()
             except BaseException as err:  # noqa: BLE001 - raised on the trainer's thread at its next wait
@@ -63,8 +59,8 @@ class OverlappedStep:
                 with self._progress:
                     self._progress.notify_all()
             finally:
-                if self._step_threads:  # torch keeps the last count for threads started later: compute's again
-                    torch.set_num_threads(self._compute_threads)
+                if self.shares_cores:  # threads started later get compute's count again
+                    torch.set_num_threads(compute_threads)
 
         self._thread = threading.Thread(target=guarded, name="smartinf-step", daemon=True)
         self._thread.start()
@@ -76,26 +72,14 @@ class OverlappedStep:
     def is_current(self, block: int) -> bool:
         return self._current[block].is_set()
 
-    @contextmanager
-    def _trainer_waits(self) -> Iterator[None]:
-        with self._progress:
-            self._waiting += 1
-        try:
-            yield
-        finally:
-            with self._progress:
-                self._waiting -= 1
-
     def wait_block(self, block: int) -> None:
         """Until block ``block``'s update has landed (at once when no step is updating it)."""
-        if not self._current[block].is_set():
-            with self._trainer_waits():
-                self._current[block].wait()
+        self._current[block].wait()
         self.raise_failure()
 
     def wait_share(self, elements: float) -> None:
         """Until the step has updated ``elements`` elements (or failed)."""
-        with self._trainer_waits(), self._progress:
+        with self._progress:
             self._progress.wait_for(lambda: self._done >= elements or self.failure is not None)
         self.raise_failure()
 
@@ -107,8 +91,7 @@ class OverlappedStep:
     def join(self) -> None:
         """Until the step has finished; raises its failure."""
         if self._thread is not None:
-            with self._trainer_waits():
-                self._thread.join()
+            self._thread.join()
             self._thread = None
         self.raise_failure()
 
@@ -119,15 +102,6 @@ class OverlappedStep:
             raise StepFailedError(f"the optimizer step failed: {self.failure}") from self.failure
 
     # -- on the step's thread ---------------------------------------------------------------------------------------
-    def pace(self) -> None:
-        """Before each subgroup's update: one intra-op thread while the trainer computes on the same cores, all of
-        compute's while it waits for the step (``shares_cores`` only; elsewhere torch's count is left alone)."""
-        if not self.shares_cores:
-            return
-        wanted = self._compute_threads if self._waiting else 1
-        if wanted != self._step_threads:
-            torch.set_num_threads(wanted)
-            self._step_threads = wanted
     def published(self, block: int) -> None:
         """Block ``block``'s new parameters are stored: a fetch may read them."""
         self._current[block].set()

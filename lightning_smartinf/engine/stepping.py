@@ -29,7 +29,6 @@ class StepRunner:
         """Stream subgroups (default: all, in forward order) through the updater, publishing each block when done."""
         left = {b.index: len(b.subgroups) for b in self.layout.blocks}
         order = self.fence.passing(self.layout.subgroups if subgroups is None else subgroups)
-        self.overlapped.pace()
         for sg, master in self.updater.step(order, self.grads, ctx):
             self.params.store_update(sg, master)
             left[sg.block] -= 1
@@ -37,7 +36,6 @@ class StepRunner:
                 self.params.flush()
                 self.overlapped.published(sg.block)
             self.overlapped.advance(sg.numel)
-            self.overlapped.pace()
         self.grads.reset()
 
     def start(self, ctx: StepContext, overlap: float) -> None:

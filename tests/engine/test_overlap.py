@@ -1,5 +1,5 @@
-"""The overlapped step's thread and compute share a CPU's cores: the step's math narrows to one intra-op thread while
-the trainer computes, and widens to compute's while the trainer waits for it."""
+"""The overlapped step's thread and compute share a CPU's cores: the step's math runs on one intra-op thread, a
+count that timing never changes (so runs stay bit-exact), and threads started after the step get compute's count."""
 
 from __future__ import annotations
 
@@ -10,41 +10,25 @@ import torch
 from lightning_smartinf.engine.overlap import OverlappedStep
 
 
-def test_the_step_narrows_while_the_trainer_computes_and_widens_while_it_waits() -> None:
-    compute = torch.get_num_threads()
-    step = OverlappedStep(2, shares_cores=True)
-    step.stale(1)
-    seen: dict[str, int] = {}
-    computing, waited = threading.Event(), threading.Event()
-
-    def run() -> None:
-        step.pace()
-        seen["beside compute"] = torch.get_num_threads()
-        computing.set()
-        while not step._waiting:  # the trainer below starts waiting for block 1
-            threading.Event().wait(0.001)
-        step.pace()
-        seen["while the trainer waits"] = torch.get_num_threads()
-        step.published(1)
-        waited.wait()
-
-    step.start(run)
-    computing.wait()
-    step.wait_block(1)
-    waited.set()
+def counts_in(step: OverlappedStep) -> tuple[list[int], list[int]]:
+    """(the step thread's intra-op threads, those of a thread started after the step)."""
+    inside: list[int] = []
+    step.start(lambda: inside.append(torch.get_num_threads()))
     step.join()
-    assert seen == {"beside compute": 1, "while the trainer waits": compute}
-    assert torch.get_num_threads() == compute  # the trainer's own count never changed
-    counts: list[int] = []
-    later = threading.Thread(target=lambda: counts.append(torch.get_num_threads()))
-    later.start()
-    later.join()
-    assert counts == [compute]  # and a thread started after the step gets compute's count again
+    later: list[int] = []
+    thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    return inside, later
+
+
+def test_on_a_cpu_device_the_step_runs_on_one_thread_and_compute_keeps_its_own() -> None:
+    compute = torch.get_num_threads()
+    inside, later = counts_in(OverlappedStep(1, shares_cores=True))
+    assert inside == [1] and later == [compute]
+    assert torch.get_num_threads() == compute
 
 
 def test_off_a_cpu_device_the_step_keeps_torchs_count() -> None:
-    step = OverlappedStep(1)
-    counts: list[int] = []
-    step.start(lambda: (step.pace(), counts.append(torch.get_num_threads())))
-    step.join()
-    assert counts == [torch.get_num_threads()]
+    inside, _ = counts_in(OverlappedStep(1))
+    assert inside == [torch.get_num_threads()]
