@@ -20,9 +20,9 @@ def checksum(data: bytes | memoryview) -> int:
     return int(xxhash.xxh3_64_intdigest(data))
 
 
-def describe(value: int | None) -> str:
+def describe(value: int) -> str:
     """How an error message names a sum."""
-    return "no sum" if value is None else f"{NAME} {value:016x}"
+    return f"{NAME} {value:016x}"
 
 
 class RunningChecksum:
