@@ -52,8 +52,9 @@ LAYERS: tuple[Layer, ...] = (
           "the host and near-storage updaters, OpenCL programs, optimizer rules"),
     Layer("schedule", ("schedule.*",), ("ground", "storage", "ecosystem"), (),
           "horizontal, parked and vertical schedules, kept graphs, accumulation windows, the planner"),
-    Layer("checkpoint", ("checkpoint.*",), ("ground", "storage"), ("numpy", "omegaconf"),
-          "the crash-safe protocol, manifest, file copies, shards, offline export, the trainer state as data"),
+    Layer("checkpoint", ("checkpoint.*",), ("ground", "storage", "ecosystem"), ("numpy", "omegaconf"),
+          "the crash-safe protocol, manifest, file copies, shards, offline export (LoRA merges included), the "
+          "trainer state as data"),
     Layer("engine", ("engine.*",),
           ("ground", "config", "storage", "ecosystem", "compress", "update", "schedule", "checkpoint"),
           ("psutil", "safetensors"),

@@ -125,6 +125,16 @@ def write_chunks(path: Path, chunks: Iterable[bytes | memoryview], digest: Diges
     return digest.record()
 
 
+def write_state_file(target: Path, data: memoryview) -> WrittenSum:
+    """Replace the live state file ``target`` with ``data`` (a subgroup a restore re-cut from a checkpoint of
+    another layout); returns the sum the run's later reads of it are checked against."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.unlink(missing_ok=True)
+    record = write_chunks(target, [data], Digest(target, whole=True))
+    assert record.checksum is not None
+    return WrittenSum(record.nbytes, record.checksum)
+
+
 def copy_file(source: Path, target: Path, replace: bool = False, expect: WrittenSum | None = None,
               checksum: bool = False) -> FileRecord:  # fmt: skip
     """Copy ``source`` to ``target``, checking the bytes read against ``expect`` (see the module docstring) and

@@ -262,9 +262,9 @@ def _sha256(file: Path, stat: os.stat_result) -> str:
     return _HASHED[key]
 
 
-def verify_checkpoint(path: Path, select: Callable[[str], bool] | None = None) -> Manifest:
-    """The checkpoint's manifest, after checking every file's size and SHA-256 (or those ``select`` keeps: a rank
-    checks its own slice, not the others'); raises naming each bad file."""
+def verify_checkpoint(path: Path, select: Callable[[Manifest, str], bool] | None = None) -> Manifest:
+    """The checkpoint's manifest, after checking every file's size and SHA-256 (or those ``select(manifest,
+    relative path)`` keeps: a rank checks its own slice, not the others'); raises naming each bad file."""
     path = path.absolute()
     if not path.exists():
         _recover(path)
@@ -286,7 +286,7 @@ def verify_checkpoint(path: Path, select: Callable[[str], bool] | None = None) -
         return None
 
     with ThreadPoolExecutor(max_workers=COPY_THREADS) as pool:
-        chosen = [item for item in manifest.files.items() if select is None or select(item[0])]
+        chosen = [item for item in manifest.files.items() if select is None or select(manifest, item[0])]
         for problem in pool.map(lambda item: check(*item), chosen):
             if problem:
                 problems.append(problem)

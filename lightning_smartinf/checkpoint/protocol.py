@@ -23,7 +23,6 @@ from lightning_smartinf.checkpoint.manifest import (
     Manifest,
     verify_checkpoint,
 )
-from lightning_smartinf.errors import ConfigError
 from lightning_smartinf.storage.space import human_bytes
 
 log = logging.getLogger(__name__)
@@ -104,27 +103,31 @@ def remove(path: Path) -> None:
 
 
 def open_checkpoint(path: Path, rank: int = 0, world: int = 1) -> Manifest:
-    """Verify every file this rank will read (the shared ones and its own slice) against the manifest, and check
-    the checkpoint was partitioned for ``world`` ranks."""
+    """Verify every file this rank will read against the manifest: the shared ones and its own slice where the
+    checkpoint was written by ``world`` ranks; every rank's slices where it was written by another number of ranks
+    (a restore then re-partitions them: engine/relayout.py)."""
     started = time.perf_counter()
     mine, others = f"{ENGINE_STATE}/rank{rank}/", f"{ENGINE_STATE}/rank"
-    manifest = verify_checkpoint(path, lambda relative: relative.startswith(mine) or not relative.startswith(others))
-    part = "this rank's slice and the shared files" if world > 1 else f"{len(manifest.files)} files"
+
+    def read_here(saved: Manifest, relative: str) -> bool:
+        same = saved.meta.get("world_size", 1) == world
+        return not same or relative.startswith(mine) or not relative.startswith(others)
+
+    manifest = verify_checkpoint(path, read_here)
+    saved_world = manifest.meta.get("world_size", 1)
+    part = "this rank's slice and the shared files" if saved_world == world > 1 else f"{len(manifest.files)} files"
     log.info(
         "smart_infinity: verified %s of %s (%s in all) in %.2f s", part, manifest.path,
         human_bytes(manifest.nbytes), time.perf_counter() - started,
     )  # fmt: skip
-    saved_world = manifest.meta.get("world_size", 1)
     if saved_world != world:
-        raise ConfigError(
-            f"checkpoint {manifest.path} holds the state of {saved_world} rank(s), partitioned for that many; "
-            f"this run has {world}: resume with devices x num_nodes = {saved_world}"
-        )
+        log.info("smart_infinity: %s was written by %d rank(s); this run has %d: its state is re-partitioned as it "
+                 "is restored", manifest.path, saved_world, world)  # fmt: skip
     return manifest
 
 
-def rank_state(manifest: Manifest, rank: int = 0, world: int = 1) -> tuple[str, dict[str, Any]]:
-    """Where this rank's offloaded state lies in the checkpoint, and what was recorded of it."""
-    if world > 1:
-        return f"{ENGINE_STATE}/rank{rank}", manifest.meta["ranks"][rank]
-    return ENGINE_STATE, manifest.meta["engine"]
+def saved_parts(manifest: Manifest) -> list[tuple[str, dict[str, Any]]]:
+    """Where each saved rank's offloaded state lies in the checkpoint, and what was recorded of it."""
+    if "ranks" in manifest.meta:
+        return [(f"{ENGINE_STATE}/rank{r}", meta) for r, meta in enumerate(manifest.meta["ranks"])]
+    return [(ENGINE_STATE, manifest.meta["engine"])]

@@ -4,6 +4,7 @@ bit for bit with an uninterrupted run.
     smartinf-chaos --kills 20                                  # gpt_tiny, CLI defaults, 40 steps, saves every 2
     smartinf-chaos --kills 10 --steps 60 --every 4 -- update=smart schedule=vertical schedule.micro_batches=2
     smartinf-chaos --kills 10 --kill-rank -- trainer.devices=2                  # data parallel: kill one rank
+    smartinf-chaos --kills 20 --world-sizes 2 1 -- trainer.precision=32-true optim=sgd   # resume on 2, 1, 2, ... ranks
 
 One reference run trains ``--steps`` steps straight through. Then a chaos run on its own state and checkpoint
 directories is started, SIGKILLed after a random delay (one in five during start-up, set-up and restore, the rest
@@ -14,6 +15,12 @@ that reaches the last step is compared with the reference and a new chain starts
 With ``--kill-rank`` (data parallel runs) each kill takes one rank's process, chosen at random, and the others must
 stop on their own with the peer error within ``--peer-timeout`` seconds (counted as ``hung`` otherwise, and
 killed); every rank then restarts from the checkpoint.
+
+With ``--world-sizes 2 1`` each restart runs on the next rank count of the list in turn (the reference on the
+first), accumulating ``max / M`` batches on ``M`` ranks so the global batch stays the same: every resume re-cuts the
+state for another rank count (engine/relayout.py). The sums of a batch's gradient then run in another order, so a
+chain is compared within ``--tolerance`` (max relative difference per tensor), not bit for bit; in fp32 with SGD that
+is the order's rounding alone (AdamW's normalisation and bf16's rounding of split batches amplify it).
 
 Reported: kills (by what the run was doing), resumes (restarts that found a checkpoint), exact (chains whose final
 fp32 weights equal the reference's bit for bit), lost (kills after which the newest intact checkpoint was older
@@ -70,12 +77,17 @@ class ChaosReport:
     """``--kill-rank``: kills by the rank taken."""
     hung: int = 0
     """``--kill-rank``: kills after which a surviving rank did not stop on its own within the peer timeout."""
+    world_sizes: list[int] = field(default_factory=list)
+    """``--world-sizes``: the rank count of each run after the reference, in order (0: not chosen by chaos)."""
 
 
-def train_command(out: Path, state: Path, steps: int, every: int, extra: list[str], resume: bool) -> list[str]:
+def train_command(out: Path, state: Path, steps: int, every: int, extra: list[str], resume: bool,
+                  world: tuple[int, int] | None = None) -> list[str]:  # fmt: skip
+    """``world``: (ranks, batches each accumulates per step) where the run's rank count is chosen for it."""
+    ranks = [f"trainer.devices={world[0]}", f"trainer.accumulate_grad_batches={world[1]}"] if world else []
     cmd = [sys.executable, "-m", "lightning_smartinf.cli.train", f"hydra.run.dir={out}",
            f"offload.nvme_path={state}", f"trainer.max_steps={steps}", f"trainer.checkpoint_every_n_steps={every}",
-           f"trainer.val_check_interval={steps}", "trainer.limit_val_batches=1", *extra]  # fmt: skip
+           f"trainer.val_check_interval={steps}", "trainer.limit_val_batches=1", *extra, *ranks]  # fmt: skip
     return [*cmd, f"trainer.resume={out / 'checkpoints'}"] if resume else cmd
 
 
@@ -91,8 +103,31 @@ def final_weights(out: Path, steps: int) -> dict[str, torch.Tensor]:
     return consolidated_state_dict(out / "checkpoints" / f"step{steps}.ckpt")[0]
 
 
-def same_weights(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> bool:
-    return expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+def same_weights(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], tolerance: float = 0.0) -> bool:
+    """Bit for bit (``tolerance`` 0), or each tensor within ``tolerance`` of the largest magnitude in it."""
+    if expected.keys() != got.keys():
+        return False
+    if not tolerance:
+        return all(torch.equal(expected[k], got[k]) for k in expected)
+    return all(relative_difference(expected[k], got[k]) <= tolerance for k in expected)
+
+
+def relative_difference(expected: torch.Tensor, got: torch.Tensor) -> float:
+    if not expected.is_floating_point():
+        return 0.0 if torch.equal(expected, got) else float("inf")
+    scale = float(expected.abs().max()) if expected.numel() else 0.0
+    if not scale:  # all zeros: equal or not
+        return 0.0 if torch.equal(expected, got) else float("inf")
+    return float((expected.float() - got.float()).abs().max()) / scale
+
+
+def rank_plan(world_sizes: list[int]) -> list[tuple[int, int]]:
+    """(ranks, accumulate_grad_batches) for each entry of ``--world-sizes``: the same global batch on each."""
+    most = max(world_sizes)
+    if any(w < 1 or most % w for w in world_sizes):
+        raise SystemExit(f"smartinf-chaos: --world-sizes {world_sizes}: each must divide the largest ({most}), so the "
+                         "global batch can stay the same by accumulation")  # fmt: skip
+    return [(w, most // w) for w in world_sizes]
 
 
 def count_corrupt(directory: Path) -> int:
@@ -144,15 +179,35 @@ def phase(log: str, ckpts: Path, pid: int) -> str:
     return "train" if SET_UP in log else "start-up"
 
 
+def kill_all_ranks(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the run's every rank (a lost node takes the whole job)."""
+    try:
+        ranks = rank_processes(proc)
+    except psutil.NoSuchProcess:
+        ranks = []
+    for rank in reversed(ranks):
+        try:
+            rank.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+
+
 def campaign(root: Path, kills: int, steps: int, every: int, extra: list[str], seed: int, kill_rank: bool = False,
-             peer_timeout: float = 120.0) -> ChaosReport:  # fmt: skip
+             peer_timeout: float = 120.0, world_sizes: list[int] | None = None,
+             tolerance: float = 0.0) -> ChaosReport:  # fmt: skip
+    """``world_sizes``: each restart on the next rank count in turn (the reference on the first); chains are then
+    compared within ``tolerance``."""
     report = ChaosReport()
+    plan = rank_plan(world_sizes) if world_sizes else None
+    restarts = 0
     rng = random.Random(seed)
     reference_log = root / "reference.log"
     with reference_log.open("w") as log:
         started = time.perf_counter()
         proc = subprocess.Popen(train_command(root / "reference", root / "reference_state", steps, every, extra,
-                                              resume=False), stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+                                              resume=False, world=plan[0] if plan else None),
+                                stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
         while proc.poll() is None:
             if not report.startup_s and SET_UP in reference_log.read_text(errors="replace"):
                 report.startup_s = time.perf_counter() - started
@@ -167,13 +222,16 @@ def campaign(root: Path, kills: int, steps: int, every: int, extra: list[str], s
         before = newest_step(ckpts)
         if before == steps:  # this chain of runs got to the end: check it, then start a new chain
             report.chains += 1
-            report.exact_chains += same_weights(expected, final_weights(out, steps))
+            report.exact_chains += same_weights(expected, final_weights(out, steps), tolerance)
             for directory in (out, state):
                 shutil.rmtree(directory)
             before = -1
         log_path = root / f"attempt{attempt:02d}.log"
         with log_path.open("w") as log:
-            proc = subprocess.Popen(train_command(out, state, steps, every, extra, resume=before >= 0),
+            world = plan[restarts % len(plan)] if plan else None
+            restarts += 1
+            report.world_sizes.append(world[0] if world else 0)
+            proc = subprocess.Popen(train_command(out, state, steps, every, extra, resume=before >= 0, world=world),
                                     stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
             report.resumes += before >= 0
             if attempt == kills:
@@ -194,6 +252,8 @@ def campaign(root: Path, kills: int, steps: int, every: int, extra: list[str], s
                 kind = phase(log_path.read_text(errors="replace"), ckpts, proc.pid)
                 if kill_rank:
                     kill_one_rank(proc, rng, peer_timeout, report)
+                elif plan:
+                    kill_all_ranks(proc)
                 else:
                     proc.kill()
                     proc.wait()
@@ -206,7 +266,7 @@ def campaign(root: Path, kills: int, steps: int, every: int, extra: list[str], s
         report.skipped += len(re.findall(r"skipping .*newer than any intact checkpoint", log_path.read_text()))
     report.corrupt = count_corrupt(ckpts) + report.skipped
     report.chains += 1
-    report.exact_chains += same_weights(expected, final_weights(out, steps))
+    report.exact_chains += same_weights(expected, final_weights(out, steps), tolerance)
     return report
 
 
@@ -221,12 +281,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kill-rank", action="store_true", help="data parallel: kill one rank, not the whole run")
     parser.add_argument("--peer-timeout", type=float, default=120.0,
                         help="--kill-rank: seconds the other ranks have to stop on their own")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=None,
+                        help="resume each restart on the next of these rank counts in turn (e.g. 2 1)")
+    parser.add_argument("--tolerance", type=float, default=None,
+                        help="max relative difference of a chain's weights (default: 0, bit for bit; 1e-5 with "
+                             "--world-sizes)")
     parser.add_argument("overrides", nargs="*", help="smartinf-train overrides for every run (after --)")
     args = parser.parse_args(argv)
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)
+    tolerance = args.tolerance if args.tolerance is not None else (1e-5 if args.world_sizes else 0.0)
     report = campaign(args.out.absolute(), args.kills, args.steps, args.every, args.overrides, args.seed,
-                      args.kill_rank, args.peer_timeout)
+                      args.kill_rank, args.peer_timeout, args.world_sizes, tolerance)
     phases = ", ".join(f"{k} {v}" for k, v in sorted(report.phases.items()))
     print("| kills | during | resumes | exact | lost | corrupt |\n|---|---|---|---|---|---|")
     print(f"| {report.kills} | {phases} | {report.resumes} | {report.exact_chains}/{report.chains} runs | "
@@ -234,6 +300,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.kill_rank:
         print(f"ranks killed: {dict(sorted(report.ranks_killed.items()))}; the others stopped on their own after "
               f"{report.kills - report.hung} of {report.kills} kills")  # fmt: skip
+    if args.world_sizes:
+        print(f"rank counts of the runs after the reference: {report.world_sizes}; chains compared within a max "
+              f"relative difference of {tolerance:g}")  # fmt: skip
     print(f"reference run {report.reference_s:.1f} s ({report.startup_s:.1f} s start-up); newest intact checkpoint "
           f"after each kill: steps {report.steps_at_kill}; logs: {args.out}/attempt*.log")  # fmt: skip
     if args.json:

@@ -117,35 +117,47 @@ class Examples(Dataset[dict[str, torch.Tensor]]):
 
 class ResumableLoader(DataLoader[torch.Tensor]):
     """A sequential DataLoader that Lightning checkpoints mid-epoch (it calls ``state_dict``/``load_state_dict`` on
-    loaders that have them): a resumed run continues with the batch after the last one trained, not the epoch's
+    loaders that have them): a resumed run continues with the sample after the last one trained, not the epoch's
     first, so resuming reproduces the data order of an uninterrupted run. Data parallel: rank ``rank`` of ``world``
-    takes samples ``rank, rank + world, ...`` (as an unshuffled DistributedSampler), every rank the same count."""
+    takes samples ``s + rank, s + rank + world, ...`` from the epoch's (or the resume's) start ``s``, as an
+    unshuffled DistributedSampler, every rank the same count. The position is kept in samples, not batches, so a run
+    resumed on another number of ranks (or with another batch size) neither skips nor repeats a sample."""
 
     def __init__(
         self, dataset: Dataset[torch.Tensor], batch_size: int, num_workers: int, rank: int = 0, world: int = 1
     ) -> None:
         self.rank, self.world = rank, world
-        self._skip = 0  # batches to skip at the next __iter__ (set by load_state_dict)
-        self._start = 0  # where the current pass began
-        self._consumed = 0
+        self._skip = 0  # samples (of all ranks) to skip at the next __iter__ (set by load_state_dict)
+        self._start = 0  # the sample the current pass began at
+        self._consumed = 0  # samples of all ranks taken in the current pass, as of this rank's batches
         super().__init__(dataset, batch_size=batch_size, num_workers=num_workers, sampler=_FromSampler(self))
 
     def __iter__(self) -> Iterator[torch.Tensor]:  # type: ignore[override]
         self._start, self._skip = self._skip, 0
         self._consumed = self._start
+        left = len(self._indices())
         for batch in super().__iter__():
-            self._consumed += 1
+            took = min(self.batch_size or 1, left)  # the last batch may be short
+            left -= took
+            self._consumed += took * self.world
             yield batch
 
+    def _indices(self) -> range:
+        """This rank's samples in the current pass."""
+        return range(self._start + self.rank, len(self.sampler) * self.world, self.world)  # type: ignore[arg-type]
+
     def state_dict(self) -> dict[str, int]:
-        return {"batches_consumed": self._consumed}
+        return {"samples_consumed": self._consumed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self._skip = state["batches_consumed"]
+        if "samples_consumed" in state:
+            self._skip = state["samples_consumed"]
+        else:  # written before positions were kept in samples, by a run with this batch size and rank count
+            self._skip = state["batches_consumed"] * (self.batch_size or 1) * self.world
 
 
 class _FromSampler(Sampler[int]):
-    """Indices in order, from the loader's resume point on."""
+    """This rank's indices in order, from the loader's resume point on."""
 
     def __init__(self, loader: ResumableLoader) -> None:
         self.loader = loader
@@ -154,9 +166,7 @@ class _FromSampler(Sampler[int]):
         return len(self.loader.dataset) // self.loader.world  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[int]:
-        loader = self.loader
-        mine = range(loader.rank, len(self) * loader.world, loader.world)
-        return iter(mine[loader._start * (loader.batch_size or 1) :])
+        return iter(self.loader._indices())
 
 
 def default_cache_dir(path: str | None) -> Path:

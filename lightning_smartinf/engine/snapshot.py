@@ -23,14 +23,18 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from lightning_smartinf.checkpoint.files import copy_file
-from lightning_smartinf.checkpoint.manifest import COPY_THREADS, CheckpointWriter, Manifest
+from lightning_smartinf.checkpoint.files import copy_file, write_state_file
+from lightning_smartinf.checkpoint.manifest import COPY_THREADS, CheckpointError, CheckpointWriter, Manifest
+from lightning_smartinf.checkpoint.protocol import saved_parts
 from lightning_smartinf.compress.topk import TopKCompressor
-from lightning_smartinf.core import MASTER, Layout, owned_slots
+from lightning_smartinf.core import FROZEN, MASTER, Layout, owned_slots
+from lightning_smartinf.ecosystem.adapters import lora_merges
 from lightning_smartinf.engine.fence import FenceHold, StateFence
 from lightning_smartinf.engine.loss_scale import DynamicLossScaler
 from lightning_smartinf.engine.params import ParamStreamer
+from lightning_smartinf.engine.relayout import SavedLayout, mappable
 from lightning_smartinf.errors import ConfigError
+from lightning_smartinf.storage.aligned import aligned_bytes
 from lightning_smartinf.storage.store import TieredStore, WrittenSum, stripe_of
 from lightning_smartinf.update.base import Updater
 from lightning_smartinf.update.optimizers import OptimizerRule
@@ -45,6 +49,7 @@ class Stateful(Protocol):
     rule: OptimizerRule | None
     updater: Updater | None
     params: ParamStreamer
+    frozen: ParamStreamer | None
     fence: StateFence
     scaler: DynamicLossScaler | None
     param_dtype: torch.dtype
@@ -115,23 +120,34 @@ def state_files(engine: Stateful) -> list[tuple[str, Path, str]]:
 
 
 def layout_record(engine: Stateful) -> dict[str, Any]:
-    """The layout as plain data: enough to find any parameter's fp32 values in the saved master files; and the
-    streamed blocks' frozen parameters, whose values a checkpoint does not hold (listed only where there are any,
-    so a checkpoint of a model without them matches its earlier signature)."""
-    frozen = [[s.name, list(s.shape)] for b in engine.frozen_layout.streamed for s in b.slots]
+    """The layout as plain data: enough to find any parameter's fp32 values in the saved master files; and, where
+    the streamed blocks have frozen parameters (a LoRA base), their names and shapes, where each sits in the saved
+    ``frozen/`` files (``frozen_layout``), and the LoRA merges ``smartinf-export --merge`` applies (listed only
+    where there are any, so a checkpoint of a model without them matches its earlier signature)."""
+    fixed = engine.frozen_layout
+    frozen = [[s.name, list(s.shape)] for b in fixed.streamed for s in b.slots]
+    merges = [[m.base, m.lora_a, m.lora_b, m.scaling, m.transpose] for m in lora_merges(engine.model)]
+    extra: dict[str, Any] = {"frozen": frozen, "frozen_layout": {**_blocks_record(fixed), "dtype": _frozen_dtype(
+        engine)}} if frozen else {}  # fmt: skip
     return {
-        "blocks": [
-            {
-                "name": b.name,
-                "numel": b.numel,
-                "params": [[s.name, s.offset, s.numel, list(s.shape)] for s in b.slots],
-            }
-            for b in engine.layout.blocks
-        ],
-        "subgroups": [[sg.key, sg.block, sg.param_group, sg.offset, sg.numel] for sg in engine.layout.subgroups],
+        **_blocks_record(engine.layout),
         "aliases": parameter_aliases(engine.model),
-        **({"frozen": frozen} if frozen else {}),
+        **extra,
+        **({"merges": merges} if merges else {}),
     }
+
+
+def _blocks_record(layout: Layout) -> dict[str, Any]:
+    return {
+        "blocks": [{"name": b.name, "numel": b.numel, "params": [[s.name, s.offset, s.numel, list(s.shape)]
+                                                                 for s in b.slots]} for b in layout.blocks],
+        "subgroups": [[sg.key, sg.block, sg.param_group, sg.offset, sg.numel] for sg in layout.subgroups],
+    }  # fmt: skip
+
+
+def _frozen_dtype(engine: Stateful) -> str:
+    assert engine.frozen is not None
+    return str(engine.frozen.dtype).removeprefix("torch.")
 
 
 def parameter_aliases(model: nn.Module) -> dict[str, str]:
@@ -154,12 +170,14 @@ def _signature(engine: Stateful) -> dict[str, Any]:
     }
 
 
-def signature_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """What differs between a checkpoint's signature and this engine's, in the user's terms (empty: they match)."""
+def signature_differences(saved: dict[str, Any], current: dict[str, Any], exact: bool = True) -> list[str]:
+    """What differs between a checkpoint's signature and this engine's, in the user's terms (empty: they match).
+    ``exact=False``: only what keeps the state from being re-cut onto this engine's layout (engine/relayout.py):
+    another rank count, subgroup size or number of state directories is then no difference."""
     found = []
     if saved["optimizer"] != current["optimizer"]:
         found.append(f"optimizer {saved['optimizer']} (this run: {current['optimizer']})")
-    if saved["state_directories"] != current["state_directories"]:
+    if exact and saved["state_directories"] != current["state_directories"]:
         found.append(f"{saved['state_directories']} state directories, one per update device or offload.nvme_path "
                      f"entry (this run: {current['state_directories']})")  # fmt: skip
     old, new = saved["layout"], current["layout"]
@@ -175,9 +193,13 @@ def signature_differences(saved: dict[str, Any], current: dict[str, Any]) -> lis
         if only_new:
             parts.append(f"no values for {len(only_new)} parameter(s) of this model, e.g. {only_new[0]}")
         found.append("another model: " + ", ".join(parts))
-    elif old != new:
+    elif exact and old != new:
         found.append(f"{len(old['subgroups'])} subgroups (this run: {len(new['subgroups'])}): another "
                      "offload.subgroup_size or another parameter order")  # fmt: skip
+    elif not exact:
+        found += mappable(old, new)
+        if old.get("frozen", []) != new.get("frozen", []):
+            found.append("other frozen parameters in the streamed blocks")
     return found
 
 
@@ -194,7 +216,8 @@ def engine_nbytes(engine: Stateful) -> int:
     compressor = engine.compressor
     residuals = sum(compressor.residual_bytes.values()) if compressor is not None else 0
     in_ram = sum(tensor.numel() for _, tensor, _ in _ram_tensors(engine))
-    return sum(live.stat().st_size for _, live, _ in state_files(engine)) + residuals + in_ram
+    return (sum(live.stat().st_size for _, live, _ in state_files(engine)) + residuals + in_ram
+            + frozen_nbytes(engine.frozen))  # fmt: skip
 
 
 @dataclass
@@ -212,11 +235,28 @@ class EngineSnapshot:
     blobs: dict[str, bytes]
     meta: dict[str, Any]
     hold: FenceHold
+    frozen: ParamStreamer | None = None
+    """The streamed blocks' frozen parameters (a LoRA base), copied from their store into ``frozen/``: they never
+    change, so the copy needs no fence."""
 
     @property
     def nbytes(self) -> int:
         return (sum(live.stat().st_size for _, live, _ in self.files) + sum(len(b) for b in self.blobs.values())
-                + sum(t.numel() for _, t, _ in self.tensors))  # fmt: skip
+                + sum(t.numel() for _, t, _ in self.tensors) + frozen_nbytes(self.frozen))  # fmt: skip
+
+
+def frozen_nbytes(frozen: ParamStreamer | None) -> int:
+    """Bytes the frozen parameters of the streamed blocks take in a checkpoint."""
+    return sum(sg.numel for sg in frozen.layout.subgroups) * frozen.itemsize if frozen is not None else 0
+
+
+def _write_frozen(frozen: ParamStreamer, writer: CheckpointWriter, prefix: str) -> None:
+    """Each frozen subgroup, read from its store (disk or the RAM tier), into ``frozen/{key}``."""
+    for sg in frozen.layout.subgroups:
+        payload = sg.numel * frozen.itemsize
+        raw = aligned_bytes(payload)
+        frozen.store.read(FROZEN, sg.key, raw, payload).result()
+        writer.write(f"{prefix}/{FROZEN}/{sg.key}", raw[:payload].numpy().data)
 
 
 def take_snapshot(engine: Stateful) -> EngineSnapshot:
@@ -239,7 +279,7 @@ def take_snapshot(engine: Stateful) -> EngineSnapshot:
     }
     sums = {live: written for _, live, _ in files if (written := engine.written(live)) is not None}
     hold = engine.fence.hold([key for key, _, _ in files] + [key for key, _, _ in tensors])
-    return EngineSnapshot(files, sums, tensors, blobs, meta, hold)
+    return EngineSnapshot(files, sums, tensors, blobs, meta, hold, engine.frozen)
 
 
 def write_snapshot(snapshot: EngineSnapshot, writer: CheckpointWriter, prefix: str) -> dict[str, Any]:
@@ -254,20 +294,41 @@ def write_snapshot(snapshot: EngineSnapshot, writer: CheckpointWriter, prefix: s
         hold.done(key)
     for relative, data in snapshot.blobs.items():
         writer.write(f"{prefix}/{relative}", data)
+    if snapshot.frozen is not None:
+        _write_frozen(snapshot.frozen, writer, prefix)
     return snapshot.meta
 
 
-def load_engine_state(engine: Stateful, manifest: Manifest, prefix: str, meta: dict[str, Any]) -> None:
-    """Restore a verified checkpoint's engine state (written by ``save_engine_state`` under ``prefix``, which
-    returned ``meta``)."""
-    differences = signature_differences(meta["signature"], _signature(engine))
-    if differences:
-        raise ConfigError(
-            f"checkpoint {manifest.path} was written with another configuration: {'; '.join(differences)}; resume "
-            "with the configuration it was saved with"
-        )
+def load_engine_state(engine: Stateful, manifest: Manifest) -> int:
+    """Restore a verified checkpoint's engine state: this rank's own files where the checkpoint was written with
+    this engine's layout (the same ranks, subgroups and state directories), else every saved rank's state re-cut
+    onto this layout (engine/relayout.py). Returns the number of ranks that saved it."""
+    parts = saved_parts(manifest)
+    layout = engine.layout
+    current = _signature(engine)
+    own = parts[layout.rank] if len(parts) == layout.world else None
     engine.wait_step()
-    root = manifest.path / prefix
+    if own is not None and not signature_differences(own[1]["signature"], current):
+        _copy_own(engine, manifest.path / own[0])
+    else:
+        differences = signature_differences(parts[0][1]["signature"], current, exact=False)
+        if differences:
+            raise ConfigError(
+                f"checkpoint {manifest.path} was written with another configuration: {'; '.join(differences)}; "
+                "resume with the configuration it was saved with"
+            )
+        _relayout(engine, manifest, parts)
+    _restore_frozen(engine, manifest, parts)
+    meta = parts[0][1]
+    engine.step_count = meta["step_count"]
+    if engine.scaler is not None and meta["loss_scaler"]:
+        engine.scaler.load_state_dict(meta["loss_scaler"])
+    republish_params(engine)
+    return len(parts)
+
+
+def _copy_own(engine: Stateful, root: Path) -> None:
+    """Copy this rank's saved files into place (the checkpoint has this engine's layout)."""
     tiered = _in_ram(engine)
     for kind, key, relative in _ram_entries(engine):
         assert tiered is not None
@@ -293,10 +354,71 @@ def load_engine_state(engine: Stateful, manifest: Manifest, prefix: str, meta: d
     compressor = engine.compressor
     if compressor is not None and compressor.has_state:
         compressor.load_state_dict(torch.load(root / RESIDUALS, weights_only=True))
-    engine.step_count = meta["step_count"]
-    if engine.scaler is not None and meta["loss_scaler"]:
-        engine.scaler.load_state_dict(meta["loss_scaler"])
-    republish_params(engine)
+
+
+def _relayout(engine: Stateful, manifest: Manifest, parts: list[tuple[str, dict[str, Any]]]) -> None:
+    """Assemble every subgroup of this engine's layout from the saved ranks' subgroups that overlap it, one
+    subgroup at a time, into its state file (or its host-memory slot)."""
+    saved = SavedLayout([(manifest.path / prefix, meta["signature"]["layout"]) for prefix, meta in parts])
+    tiered = _in_ram(engine)
+    in_ram = tiered.host_keys if tiered is not None else frozenset()
+    directories = _state_dirs(engine)
+    sums: dict[Path, WrittenSum] = {}
+    for sg in engine.layout.subgroups:
+        for kind in _kinds(engine):
+            data = saved.assemble(sg, kind)
+            if data is None:  # saved before the first step: no optimizer state yet
+                continue
+            if sg.key in in_ram:
+                assert tiered is not None
+                tiered.host.write(kind, sg.key, data, data.numel())
+                continue
+            target = directories[stripe_of(sg.key, len(directories))] / kind / sg.key
+            sums[target] = write_state_file(target, data.numpy().data)
+    engine.replaced(sums)
+    compressor = engine.compressor
+    if compressor is not None and compressor.has_state:
+        tables = [_residual_tables(manifest.path / prefix / RESIDUALS) for prefix, _ in parts]
+        mine = compressor.state_dict()
+        by_index = {sg.index: sg for sg in engine.layout.subgroups}
+        compressor.load_state_dict({
+            name: {index: saved.residuals(name, by_index[index], like, tables) for index, like in table.items()}
+            for name, table in mine.items()
+        })  # fmt: skip
+
+
+def _restore_frozen(engine: Stateful, manifest: Manifest, parts: list[tuple[str, dict[str, Any]]]) -> None:
+    """Put the checkpoint's frozen parameters of the streamed blocks (a LoRA base) in place of those set-up took
+    from the init route, re-cut for this layout: the resumed run trains on the base the checkpoint was trained on,
+    whatever ``init_from`` or the module's own weights now hold. A checkpoint written before it held them leaves
+    the init route's values."""
+    frozen = engine.frozen
+    records = [meta["signature"]["layout"].get("frozen_layout") for _, meta in parts]
+    if frozen is None or any(record is None for record in records):
+        return
+    saved = SavedLayout([(manifest.path / prefix, record) for (prefix, _), record in zip(parts, records, strict=True)],
+                        element_bytes=frozen.itemsize, pattern=f"{FROZEN}/sg*")  # fmt: skip
+    frozen.release_all()
+    writes = []
+    for sg in engine.frozen_layout.subgroups:
+        data = saved.assemble(sg, FROZEN)
+        if data is None:
+            raise CheckpointError(f"checkpoint {manifest.path} lists frozen parameters but holds no file of them")
+        raw = aligned_bytes(data.numel())
+        raw.copy_(data)
+        writes.append((raw, frozen.store.write(FROZEN, sg.key, raw, sg.numel * frozen.itemsize)))
+        if len(writes) >= 4:  # a few in flight, each buffer alive until its write is done
+            writes.pop(0)[1].result()
+    for _, write in writes:
+        write.result()
+
+
+def _residual_tables(path: Path) -> dict[str, Any]:
+    """A saved rank's top-k residuals, memory-mapped (read as they are sliced); an older file holds residuals only."""
+    state = torch.load(path, weights_only=True, mmap=True)
+    if state and all(isinstance(key, int) for key in state):
+        return {"residual": state}
+    return dict(state)
 
 
 def republish_params(engine: Stateful) -> None:

@@ -244,8 +244,7 @@ class SmartInfinityFabricStrategy(Ranks, ParallelStrategy):
         engine = self._engine()
         manifest = protocol.open_checkpoint(Path(path), self.global_rank, self.world_size)
         saved = load_trainer_state(manifest.path / TRAINER_STATE)
-        prefix, meta = protocol.rank_state(manifest, self.global_rank, self.world_size)
-        load_engine_state(engine, manifest, prefix, meta)
+        load_engine_state(engine, manifest)
         wanted = state if isinstance(state, dict) else {}
         missing = sorted(set(wanted) - set(saved))
         if strict and missing:

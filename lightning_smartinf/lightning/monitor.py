@@ -121,6 +121,7 @@ class SmartInfinityMonitor(Callback):
             "tokens_per_s": tokens / max(seconds, 1e-9),
             "optimizer_steps": steps,
             "resumed_at_step": self.start_step,
+            "resumed_from_ranks": getattr(trainer.strategy, "resumed_from_ranks", None),
             "params": params,
             "storage_backend": engine.backend.name,
             "updater": engine.updater.name if engine.updater else None,
@@ -145,6 +146,11 @@ def _sum_tables(tables: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, 
     return total
 
 
+def _repartitioned(summary: dict[str, Any]) -> str:
+    saved, ranks = summary.get("resumed_from_ranks"), summary.get("ranks", 1)
+    return f" from a checkpoint of {saved} rank(s), re-partitioned onto {ranks}" if saved and saved != ranks else ""
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     ranks = summary.get("ranks", 1)
     per_rank = summary.get("host_link_bytes_per_rank", [])
@@ -152,7 +158,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         "smart_infinity summary",
         f"  {summary['optimizer_steps']} steps, {summary['tokens']:,} tokens in {summary['seconds']:.1f} s "
         f"({summary['tokens_per_s']:,.0f} tokens/s); {summary['params']:,} parameters",
-        *([f"  resumed at step {summary['resumed_at_step']}"] if summary.get("resumed_at_step") else []),
+        *([f"  resumed at step {summary['resumed_at_step']}{_repartitioned(summary)}"]
+          if summary.get("resumed_at_step") else []),  # fmt: skip
         f"  storage: {summary['storage_backend']}",
         f"  update:  {summary['updater']}; engine host buffers {summary['engine_host_buffers_MiB']:.1f} MiB",
         *([f"  memory:  {summary['host_memory_placement']}"] if summary.get("host_memory_placement") else []),

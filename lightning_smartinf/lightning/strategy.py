@@ -45,6 +45,7 @@ from lightning_smartinf.engine.meta import meta_parameters
 from lightning_smartinf.engine.planning import plan_parked, plan_schedule, vertical_schedule
 from lightning_smartinf.engine.snapshot import load_engine_state, module_state, take_snapshot, write_snapshot
 from lightning_smartinf.errors import ConfigError
+from lightning_smartinf.lightning import loop_state
 from lightning_smartinf.lightning.monitor import SmartInfinityMonitor
 from lightning_smartinf.lightning.precision import SmartInfinityPrecision
 from lightning_smartinf.lightning.processes import ProcessStrategy
@@ -97,6 +98,8 @@ class SmartInfinityStrategy(ProcessStrategy):
         read tensor by tensor into storage at set-up (``engine/pretrained.py``)."""
         self.engine: OffloadEngine | None = None
         self._resume_from: Manifest | None = None
+        self.resumed_from_ranks: int | None = None
+        """How many ranks wrote the checkpoint this run resumed from (None: not resumed)."""
         self.last_save: SaveRecord | None = None
         self.saves = BackgroundSaves()
         """Checkpoints being written behind training (``offload.async_save``); waited for at teardown."""
@@ -325,6 +328,9 @@ class SmartInfinityStrategy(ProcessStrategy):
         started = time.perf_counter()
         self.saves.check()
         snapshot = take_snapshot(engine)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
+        checkpoint = {**checkpoint, loop_state.ELASTIC: loop_state.batching(self.world_size, accumulate)}
         trainer_state, step, path = dumps(checkpoint), checkpoint.get("global_step", 0), Path(filepath)
         background = self._fitting and self.offload.async_save
         fenced_before = engine.fence.waited_s
@@ -378,14 +384,16 @@ class SmartInfinityStrategy(ProcessStrategy):
         ``load_model_state_dict``."""
         self.saves.wait()  # restoring rewrites the state files a save in the background may still be copying
         self._resume_from = protocol.open_checkpoint(Path(checkpoint_path), self.global_rank, self.world_size)
-        return load_trainer_state(self._resume_from.path / TRAINER_STATE)
+        state = load_trainer_state(self._resume_from.path / TRAINER_STATE)
+        assert self.lightning_module is not None
+        loop_state.recount(state, self.world_size, self.lightning_module.trainer.accumulate_grad_batches)
+        return state
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         assert self.engine is not None and self._resume_from is not None and self.lightning_module is not None
         started = time.perf_counter()
-        prefix, meta = protocol.rank_state(self._resume_from, self.global_rank, self.world_size)
-        load_engine_state(self.engine, self._resume_from, prefix, meta)
+        self.resumed_from_ranks = load_engine_state(self.engine, self._resume_from)
         log.info("smart_infinity: restored the offloaded state in %.2f s", time.perf_counter() - started)
         self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=False)
 

@@ -279,3 +279,50 @@ def test_adapters_over_a_directory_without_their_base_weight_name_it(tmp_path: P
     with pytest.raises(ValueError, match=r"no tensor for parameter .*layers\.1\.self_attn\.v_proj\.base_layer\."
                                          r"weight \(looked for 'model\.layers\.1\.self_attn\.v_proj\.weight'\)"):
         run.fit(module, token_batches())
+
+
+def test_a_lora_checkpoint_holds_its_base_exports_and_resumes_without_it(tmp_path: Path) -> None:
+    """The checkpoint holds the streamed blocks' frozen base beside the adapters: ``smartinf-export`` writes the
+    whole model, the merged one (as merge_and_unload makes it) or the adapters alone from it, without the model's
+    code; and a resume takes the base from the checkpoint, not from the module, so a changed base at resume still
+    continues the run that was saved (on 2 near-storage devices, re-cut from 1 host state directory)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from safetensors.torch import load_file
+
+    from lightning_smartinf.cli.export import main as export
+
+    def trainer(steps: int, strategy: Any) -> pl.Trainer:
+        ckpts = ModelCheckpoint(dirpath=Path(strategy.offload.nvme_path).parent / "ckpts", every_n_train_steps=2)
+        return pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False,
+                          callbacks=[ckpts],
+                          enable_progress_bar=False, enable_model_summary=False, precision="32-true",
+                          limit_val_batches=0)  # fmt: skip
+
+    straight = LoRAModule("llama")
+    trainer(4, smart(tmp_path / "a", vertical=False)).fit(straight, token_batches(samples=4))
+    split = LoRAModule("llama")
+    trainer(2, smart(tmp_path / "b", vertical=False)).fit(split, token_batches(samples=4))
+    checkpoint = tmp_path / "b" / "ckpts" / "epoch=0-step=2.ckpt"
+    assert list((checkpoint / "offload" / "frozen").iterdir())
+
+    export([str(checkpoint), str(tmp_path / "whole.safetensors"), "--dtype", "fp32"])
+    whole = load_file(tmp_path / "whole.safetensors")
+    assert whole.keys() == split.state_dict().keys()
+    for name, value in split.state_dict().items():
+        assert torch.equal(whole[name], value), name
+    export([str(checkpoint), str(tmp_path / "merged"), "--dtype", "fp32", "--merge", "--strip-prefix", "model."])
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    reference = split.model.merge_and_unload().state_dict()
+    assert merged.keys() == reference.keys()
+    for name, value in reference.items():
+        torch.testing.assert_close(merged[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    export([str(checkpoint), str(tmp_path / "adapters.safetensors"), "--adapters-only"])
+    adapters = load_file(tmp_path / "adapters.safetensors")
+    assert adapters and all("lora_" in name for name in adapters)
+
+    changed = LoRAModule("llama", seed=5)  # another base (and other adapters, which the checkpoint replaces)
+    strategy = smart(tmp_path / "c", vertical=False, update="smart")
+    trainer(4, strategy).fit(changed, token_batches(samples=4), ckpt_path=checkpoint)
+    got, expected = changed.state_dict(), straight.state_dict()
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)

@@ -5,7 +5,7 @@
 Writes OUT/masters.pt (every parameter's fp32 master, gathered from all ranks, by rank 0) and OUT/rank{r}.json
 (the bytes of the rank's state files, its traffic counters and the threads that ran its streamed blocks'
 all-gathers during fit). ``--die-rank R`` makes rank R exit hard in the middle of step 3's backward; ``--save``
-checkpoints every 2 steps into OUT/ckpts, ``--resume`` continues from the newest there.
+checkpoints every 2 steps into OUT/ckpts, ``--resume`` continues from the newest there (or from ``--resume-from``).
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--schedule", default="horizontal")
     parser.add_argument("--micro-batches", type=int, default=2)
+    parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
+    parser.add_argument("--budget", default=None, help="offload.host_memory_budget (0: every state file on disk)")
     parser.add_argument("--overlap", type=float, default=0.0)
     parser.add_argument("--eager", action="store_true", help="schedule.eager_update")
     parser.add_argument("--precision", default="32-true")
@@ -56,6 +58,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save", action="store_true")
     parser.add_argument("--width", type=int, default=TINY.n_embd)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--resume-from", type=Path, default=None, help="a checkpoint to resume from")
     parser.add_argument("--meta", action="store_true", help="build the model on meta (initialized at set-up)")
     return parser.parse_args(argv)
 
@@ -103,7 +106,9 @@ def run(args: argparse.Namespace, gathers: WatchGathers) -> SmartInfinityStrateg
         module = GPTModule(replace(TINY, n_embd=args.width), optimizer=args.optimizer, lr=1e-2)
     data = torch.randint(0, 256, (SAMPLES, TINY.block_size + 1), generator=torch.Generator().manual_seed(1))
     update: dict[str, Any] = {"backend": args.update, "host_adam": "torch"}
-    offload = {"nvme_path": str(args.out / "state"), "subgroup_size": 4096, "io_backend": "threads"}
+    offload: dict[str, Any] = {"nvme_path": str(args.out / "state"), "subgroup_size": 4096, "io_backend": "threads"}
+    if args.budget is not None:
+        offload["host_memory_budget"] = args.budget
     if args.update == "smart":
         update["devices"] = 2
     compression = {"kind": "topk", "keep": args.topk} if args.topk else None
@@ -118,15 +123,16 @@ def run(args: argparse.Namespace, gathers: WatchGathers) -> SmartInfinityStrateg
     saving = [ModelCheckpoint(dirpath=ckpts, every_n_train_steps=2, save_top_k=-1)] if args.save else []
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=args.devices, max_steps=args.steps, logger=False,
-        callbacks=[*saving, gathers], enable_checkpointing=args.save, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, gradient_clip_val=args.clip, precision=args.precision,
+        callbacks=[*saving, gathers], enable_checkpointing=args.save, accumulate_grad_batches=args.accumulate,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, gradient_clip_val=args.clip,
+        precision=args.precision,
     )  # fmt: skip
     if args.die_rank is not None and trainer.global_rank == args.die_rank:
         arm_death(args.die_rank)
     # in order, rank r taking samples r, r + world, ...: one step's batches together are the 1-process batch
     sampler = DistributedSampler(data, trainer.world_size, trainer.global_rank, shuffle=False)  # type: ignore[arg-type]
     loader = DataLoader(data, batch_size=args.batch, sampler=sampler)  # type: ignore[arg-type]
-    trainer.fit(module, loader, ckpt_path=latest_checkpoint(ckpts) if args.resume else None)
+    trainer.fit(module, loader, ckpt_path=args.resume_from or (latest_checkpoint(ckpts) if args.resume else None))
     return strategy
 
 

@@ -1,0 +1,51 @@
+"""Lightning's saved loop counters, re-counted for a resume with another number of batches per optimizer step.
+
+A checkpoint written by N ranks with ``accumulate_grad_batches=a`` and resumed by M ranks with ``b`` (the same
+global batch: the elastic case) must resume at the same optimizer step and the same sample. The step counters and
+the data loader's position (kept in samples, data/corpus.py) carry over as they are; the training epoch loop's batch
+counters count this rank's batches, ``a`` per step, and decide where accumulation ends and where the epoch ends, so
+they are re-counted to ``b`` per step. The keys are Lightning's own (checked on the versions in ``CHECKED``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+CHECKED = ("2.6",)
+"""Lightning versions whose checkpoint keys this module was checked against (tests/lightning/test_loop_state.py)."""
+ELASTIC = "smart_infinity"
+"""The trainer-state key under which a save records how it counted batches."""
+PROGRESS = "epoch_loop.batch_progress"
+
+
+def batching(world: int, accumulate: int) -> dict[str, int]:
+    """What a save records: the ranks and the batches each takes per optimizer step."""
+    return {"world_size": world, "accumulate_grad_batches": accumulate}
+
+
+def recount(checkpoint: dict[str, Any], world: int, accumulate: int) -> None:
+    """Re-count ``checkpoint``'s batch counters (in place) for ``accumulate`` batches per optimizer step, where it was
+    written with another count; log what changes. A checkpoint without the record (an older one) is left as it is."""
+    saved = checkpoint.get(ELASTIC)
+    if not saved or saved["accumulate_grad_batches"] == accumulate:
+        return
+    was = saved["accumulate_grad_batches"]
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get(PROGRESS)
+    if progress is None:
+        return
+    for scope in ("total", "current"):
+        # the counters lag one another by a batch where the save came mid-batch (Lightning reads its restart
+        # point from those lags): 'ready' is re-counted and the lags kept
+        counters = progress[scope]
+        steps, partial = divmod(counters["ready"], was)
+        shift = steps * accumulate + partial - counters["ready"]
+        for name in counters:
+            counters[name] += shift
+    log.info(
+        "smart_infinity: the checkpoint was written by %d rank(s) with accumulate_grad_batches=%d; this run has %d "
+        "with %d: its batch counters are re-counted to %d per optimizer step",
+        saved["world_size"], was, world, accumulate, accumulate,
+    )  # fmt: skip

@@ -1,0 +1,46 @@
+"""Lightning's batch counters re-counted for another accumulation, and the Lightning versions that was checked on."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning
+
+from lightning_smartinf.lightning import loop_state
+
+
+def saved(ready: int, lag: int, world: int, accumulate: int) -> dict:
+    """A trainer state as Lightning saves it on a train batch's end: 'completed' lags 'ready' by ``lag``."""
+    counters = {"ready": ready, "started": ready, "processed": ready, "completed": ready - lag}
+    progress = {"total": dict(counters), "current": dict(counters), "is_last_batch": False}
+    return {"loops": {"fit_loop": {loop_state.PROGRESS: progress}},
+            loop_state.ELASTIC: loop_state.batching(world, accumulate)}  # fmt: skip
+
+
+def test_two_ranks_to_one_accumulating_two_counts_two_batches_per_step() -> None:
+    state = saved(ready=4, lag=1, world=2, accumulate=1)
+    loop_state.recount(state, world=1, accumulate=2)
+    for scope in ("total", "current"):
+        counters = state["loops"]["fit_loop"][loop_state.PROGRESS][scope]
+        assert counters == {"ready": 8, "started": 8, "processed": 8, "completed": 7}  # the lag Lightning reads kept
+
+
+def test_one_rank_to_two_and_an_unchanged_count_and_an_older_checkpoint() -> None:
+    state = saved(ready=6, lag=1, world=1, accumulate=2)
+    loop_state.recount(state, world=2, accumulate=1)
+    assert state["loops"]["fit_loop"][loop_state.PROGRESS]["current"]["ready"] == 3
+    same = saved(ready=6, lag=1, world=2, accumulate=2)
+    before = copy.deepcopy(same)
+    loop_state.recount(same, world=1, accumulate=2)
+    assert same == before
+    older = saved(ready=6, lag=1, world=2, accumulate=1)
+    del older[loop_state.ELASTIC]
+    before = copy.deepcopy(older)
+    loop_state.recount(older, world=1, accumulate=2)
+    assert older == before
+
+
+def test_the_installed_lightning_is_one_the_keys_were_checked_on() -> None:
+    """A Lightning release outside ``CHECKED`` may rename the loop's keys: check them (this file and
+    tests/engine/test_partition.py's elastic resumes) and add the release."""
+    assert lightning.__version__.startswith(loop_state.CHECKED), lightning.__version__
