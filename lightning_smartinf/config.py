@@ -63,6 +63,10 @@ class OffloadConfig:
     async_save: bool = True
     """Checkpoints saved during fit are written in the background while training goes on (the next step waits only
     at a subgroup whose state is not yet copied); ``false``: training waits for each save."""
+    state_precision: str = "fp32"
+    """Of the optimizer state (Adam's moments, SGD's momentum, Adagrad's sum): ``fp32``, or ``8bit``, block-wise
+    quantized (update/quant8.py): about 1 byte an element instead of 4, so a step moves about 6 B/param of master and
+    Adam state each way instead of 12. The fp32 master weights stay fp32. With ``update=host``."""
     host_memory_budget: str = "auto"
     """Host memory the engine may fill with what would otherwise cross the disk, placed by value per byte
     (engine/placement.py): the streamed blocks' 16-bit parameters first (read by every forward and backward, written
@@ -81,6 +85,7 @@ class OffloadConfig:
         _check_choice("offload.grads", self.grads, _PLACES)
         _check_choice("offload.io_backend", self.io_backend, ("auto", "aio", "threads"))
         _check_choice("offload.return_weights", self.return_weights, ("auto", "module", "meta"))
+        _check_choice("offload.state_precision", self.state_precision, ("fp32", "8bit"))
         if self.host_memory_budget != "auto":
             parse_bytes("offload.host_memory_budget", self.host_memory_budget)
         _check_positive("offload.subgroup_size", self.subgroup_size, 2048)

@@ -47,6 +47,7 @@ from lightning_smartinf.storage.store import (
     WrittenSum,
     stripe_of,
 )
+from lightning_smartinf.update import quant8
 from lightning_smartinf.update.base import Updater
 from lightning_smartinf.update.cpu_adam import load_cpu_adam
 from lightning_smartinf.update.host import HostUpdater
@@ -175,7 +176,8 @@ def planned_storage_bytes(
     totals = [0] * len(cfg.paths)
     for sg in layout.subgroups:
         fp32 = align_up(sg.numel * 4)
-        total = fp32 * (1 + len(rule.states)) if rule and state_here else 0
+        state = align_up(quant8.payload(sg.numel, cfg.state_precision))
+        total = fp32 + state * len(rule.states) if rule and state_here else 0
         total += fp32 if cfg.grads == "nvme" and state_here else 0
         streamed = not layout.blocks[sg.block].resident
         total += align_up(sg.numel * itemsize) if cfg.params == "nvme" and streamed else 0
@@ -304,7 +306,7 @@ def build(model: nn.Module, optimizer: Optimizer | None, offload: OffloadConfig,
                             aligned_bytes(layout.max_block_numel * 4))  # fmt: skip
         parts.placement = place_in_host_memory(parts, offload.host_memory_budget, ranks_per_host, device,
                                                grad_tier is not None, state_tier is not None, frozen_tier is not None,
-                                               param_tier is not None)  # fmt: skip
+                                               param_tier is not None, offload.state_precision)  # fmt: skip
         if param_tier is not None:
             param_tier.host_keys = parts.placement.params
         if grad_tier is not None and parts.placement.grads:
@@ -332,7 +334,11 @@ def make_updater(rule: OptimizerRule, update: UpdateConfig, offload: OffloadConf
     near-storage devices, each in a directory of its own."""
     if update.backend == "host":
         kernel = load_cpu_adam(update.host_adam) if rule.name in ("adam", "adamw") else None
-        return HostUpdater(rule, tier or disk, layout.max_subgroup_numel, offload.step_lookahead, kernel)
+        return HostUpdater(rule, tier or disk, layout.max_subgroup_numel, offload.step_lookahead, kernel,
+                           offload.state_precision)  # fmt: skip
+    if offload.state_precision != quant8.FP32:
+        raise ConfigError(f"offload.state_precision={offload.state_precision} runs with update=host for now: the "
+                          "near-storage kernels keep fp32 state; use update=host or offload.state_precision=fp32")
     if update.wire == "16bit" and param_dtype == torch.float32:
         raise ConfigError("update.wire=16bit needs a 16-bit training precision (bf16-mixed or 16-mixed)")
     wire = param_dtype if update.wire == "16bit" else torch.float32
@@ -367,11 +373,12 @@ def reserved_bytes(parts: EngineParts, device: torch.device) -> int:
 
 
 def place_in_host_memory(parts: EngineParts, setting: str, ranks_per_host: int, device: torch.device, grads: bool,
-                         state: bool, frozen: bool, params: bool) -> HostPlacement:  # fmt: skip
+                         state: bool, frozen: bool, params: bool,
+                         precision: str = quant8.FP32) -> HostPlacement:  # fmt: skip
     """``offload.host_memory_budget`` (``setting``): what of the state lives in host memory (engine/placement.py);
     ``grads``, ``state``, ``frozen`` and ``params``: whether the gradients, the optimizer state, the frozen weights
-    and the 16-bit parameters may go there. ``auto`` is half the available memory, shared by the ``ranks_per_host``
-    ranks, less the engine's own."""
+    and the 16-bit parameters may go there; ``precision``: ``offload.state_precision``. ``auto`` is half the
+    available memory, shared by the ``ranks_per_host`` ranks, less the engine's own."""
     if setting == "auto":
         available, reserved = host_available_bytes(), reserved_bytes(parts, device)
         budget = auto_budget(available, ranks_per_host, reserved)
@@ -382,7 +389,8 @@ def place_in_host_memory(parts: EngineParts, setting: str, ranks_per_host: int, 
     else:
         budget = parse_bytes("offload.host_memory_budget", setting)
     kinds = len(parts.rule.states) if parts.rule is not None else 0
-    placement = place(budget, parts.layout, kinds, grads, state, parts.frozen_layout if frozen else None,
+    state_bytes = 4 + kinds * quant8.bytes_per_element(precision)
+    placement = place(budget, parts.layout, state_bytes, grads, state, parts.frozen_layout if frozen else None,
                       parts.frozen_itemsize, parts.itemsize if params else 0)  # fmt: skip
     if budget:
         log.info("smart_infinity %s", placement.describe(parts.layout, parts.frozen_layout))

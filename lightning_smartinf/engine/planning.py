@@ -31,6 +31,7 @@ from lightning_smartinf.schedule.planner import (
 )
 from lightning_smartinf.schedule.vertical import CheckpointTiers, VerticalSchedule, has_protocol
 from lightning_smartinf.schedule.window import tokens_of
+from lightning_smartinf.update import quant8
 from lightning_smartinf.update.optimizers import torch_update
 from lightning_smartinf.update.smart import SmartUpdater
 
@@ -58,8 +59,9 @@ def workload_of(engine: OffloadEngine, batch: Any, checkpoint_bytes_per_sample: 
         step_read, step_write = 4 * local, 4 * local + params_write
     else:  # gradient, master and state in; master and state out; 16-bit params out
         on_disk = local - sum(sg.numel for sg in engine.layout.subgroups if sg.key in engine.placement.state)
-        step_read = grad_read + (1 + states) * 4 * on_disk
-        step_write = (1 + states) * 4 * on_disk + params_write
+        state = round((4 + states * quant8.bytes_per_element(engine.cfg.state_precision)) * on_disk)
+        step_read = grad_read + state
+        step_write = state + params_write
     if isinstance(batch, torch.Tensor):
         sequences = batch.shape[0]
         tokens = sequences * max(batch.shape[1] - 1, 1) if batch.dim() > 1 else sequences

@@ -38,6 +38,7 @@ from lightning_smartinf.storage.aligned import aligned_bytes
 from lightning_smartinf.storage.store import TieredStore, WrittenSum, stripe_of
 from lightning_smartinf.update.base import Updater
 from lightning_smartinf.update.optimizers import OptimizerRule
+from lightning_smartinf.update.quant8 import FP32
 
 
 class Stateful(Protocol):
@@ -167,7 +168,13 @@ def _signature(engine: Stateful) -> dict[str, Any]:
         "layout": layout_record(engine),
         "optimizer": engine.rule.name if engine.rule else None,
         "state_directories": len(_state_dirs(engine)),
+        "state_precision": _precision(engine),
     }
+
+
+def _precision(engine: Stateful) -> str:
+    """``offload.state_precision`` of the engine's optimizer state (fp32 where the updater has no other)."""
+    return str(getattr(engine.updater, "precision", FP32))
 
 
 def signature_differences(saved: dict[str, Any], current: dict[str, Any], exact: bool = True) -> list[str]:
@@ -177,6 +184,13 @@ def signature_differences(saved: dict[str, Any], current: dict[str, Any], exact:
     found = []
     if saved["optimizer"] != current["optimizer"]:
         found.append(f"optimizer {saved['optimizer']} (this run: {current['optimizer']})")
+    saved_precision = saved.get("state_precision", FP32)  # written before 8-bit state: fp32
+    if saved_precision != current["state_precision"]:
+        found.append(f"offload.state_precision={saved_precision} (this run: {current['state_precision']}; a "
+                     "resume keeps the state's precision)")  # fmt: skip
+    elif not exact and saved_precision != FP32:
+        found.append(f"offload.state_precision={saved_precision}: 8-bit state resumes only with the layout it was "
+                     "written with (the same ranks, offload.subgroup_size and state directories)")  # fmt: skip
     if exact and saved["state_directories"] != current["state_directories"]:
         found.append(f"{saved['state_directories']} state directories, one per update device or offload.nvme_path "
                      f"entry (this run: {current['state_directories']})")  # fmt: skip

@@ -1,8 +1,10 @@
 """ZeRO-Infinity's update: master and optimizer state stream storage -> host memory -> CPU math -> storage.
 
 Per subgroup the host link carries 4 B/param of gradient plus 12 B/param (Adam: master, exp_avg, exp_avg_sq) each
-way. The next ``lookahead`` subgroups' state is read while the current one updates, and write-backs complete in
-the background; buffers come from one fixed pool, so host memory does not grow with the model.
+way; with ``offload.state_precision=8bit`` the state tensors travel block-wise quantized (update/quant8.py), about
+6 B/param, and are widened to fp32 only for the update's math. The next ``lookahead`` subgroups' state is read while
+the current one updates, and write-backs complete in the background; buffers come from one fixed pool, so host
+memory does not grow with the model.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -18,6 +21,7 @@ from lightning_smartinf import trace
 from lightning_smartinf.core import MASTER, StepContext, Subgroup
 from lightning_smartinf.storage.aligned import BufferPool, align_up, typed_view
 from lightning_smartinf.storage.store import FileStore, HostStore, StripedStore, TieredStore, in_host_memory
+from lightning_smartinf.update import quant8
 from lightning_smartinf.update.base import GradientSource
 from lightning_smartinf.update.cpu_adam import DeepSpeedCPUAdamKernel
 from lightning_smartinf.update.optimizers import OptimizerRule, torch_update
@@ -31,15 +35,17 @@ def _zero_padding(raw: torch.Tensor, payload: int) -> None:
 
 class _Loaded:
     """A subgroup's master and state buffers, with the reads that fill them: pooled buffers for state on storage,
-    or (``host``) the stored tensors themselves for state in host memory, updated in place."""
+    or (``host``) the stored tensors themselves for state in host memory, updated in place. ``sizes``: each kind's
+    payload in bytes."""
 
-    def __init__(self, sg: Subgroup, kinds: Sequence[str], pool: BufferPool, host: HostStore | None = None) -> None:
+    def __init__(self, sg: Subgroup, sizes: dict[str, int], pool: BufferPool, host: HostStore | None = None) -> None:
         self.sg = sg
+        self.sizes = sizes
         self.in_place = host is not None
         if host is not None:
-            self.raw = {kind: host.slot(kind, sg.key, sg.numel * 4) for kind in kinds}
+            self.raw = {kind: host.slot(kind, sg.key, size) for kind, size in sizes.items()}
         else:
-            self.raw = {kind: pool.acquire(sg.numel * 4) for kind in kinds}
+            self.raw = {kind: pool.acquire(size) for kind, size in sizes.items()}
         self.reads: list[Future[None]] = []
 
     def tensor(self, kind: str) -> torch.Tensor:
@@ -56,8 +62,13 @@ class HostUpdater:
         max_subgroup_numel: int,
         lookahead: int,
         adam_kernel: DeepSpeedCPUAdamKernel | None,
+        precision: str = quant8.FP32,
     ) -> None:
         self.rule = rule
+        self.precision = precision
+        """Of the optimizer state (``offload.state_precision``): ``fp32``, or ``8bit`` (block-wise quantized)."""
+        self._wide = {s.kind: torch.empty(max_subgroup_numel) for s in rule.states} if precision == quant8.INT8 else {}
+        """8-bit state widened to fp32 for the update's math (the update runs on one thread, a subgroup at a time)."""
         self.store = store
         self.lookahead = lookahead
         self.adam_kernel = adam_kernel
@@ -65,7 +76,7 @@ class HostUpdater:
         # in flight: `lookahead` being read, one updating, one being written back
         self.pool = BufferPool((lookahead + 2) * kinds_per_sg, max_subgroup_numel * 4, allocator=store.allocator)
         kernel = "deepspeed cpu_adam" if adam_kernel and rule.name in ("adam", "adamw") else f"torch {rule.name}"
-        self.name = f"host ({kernel})"
+        self.name = f"host ({kernel}{', 8-bit state' if precision == quant8.INT8 else ''})"
 
     @property
     def host_bytes(self) -> int:
@@ -79,35 +90,61 @@ class HostUpdater:
             self.store.write(MASTER, sg.key, raw, sg.numel * 4).result()
             self.pool.release(raw)
 
+    def _sizes(self, sg: Subgroup) -> dict[str, int]:
+        state = quant8.payload(sg.numel, self.precision)
+        return {MASTER: sg.numel * 4, **{kind: state for kind in self.rule.state_kinds}}
+
     def _load(self, sg: Subgroup, first_step: bool) -> _Loaded:
         host = in_host_memory(self.store, sg.key)
-        loaded = _Loaded(sg, (MASTER, *self.rule.state_kinds), self.pool, host)
+        loaded = _Loaded(sg, self._sizes(sg), self.pool, host)
         if host is None:
             loaded.reads.append(self.store.read(MASTER, sg.key, loaded.raw[MASTER], sg.numel * 4))
         for spec in self.rule.states:
+            size = loaded.sizes[spec.kind]
             if first_step:
-                loaded.tensor(spec.kind).fill_(spec.init)
-                _zero_padding(loaded.raw[spec.kind], sg.numel * 4)
+                if self.precision == quant8.FP32:
+                    loaded.tensor(spec.kind).fill_(spec.init)
+                _zero_padding(loaded.raw[spec.kind], size)
             elif host is None:
-                loaded.reads.append(self.store.read(spec.kind, sg.key, loaded.raw[spec.kind], sg.numel * 4))
+                loaded.reads.append(self.store.read(spec.kind, sg.key, loaded.raw[spec.kind], size))
         return loaded
 
     def _write_back(self, loaded: _Loaded, writes: list[Future[None]]) -> None:
         if loaded.in_place:  # updated where it is stored
             return
         for kind, raw in loaded.raw.items():
-            future = self.store.write(kind, loaded.sg.key, raw, loaded.sg.numel * 4)
+            future = self.store.write(kind, loaded.sg.key, raw, loaded.sizes[kind])
             future.add_done_callback(self._releaser(raw))
             writes.append(future)
 
     def _releaser(self, raw: torch.Tensor) -> Callable[[Future[None]], None]:
         return lambda _future: self.pool.release(raw)
 
+    def _state(self, loaded: _Loaded, first_step: bool) -> dict[str, torch.Tensor]:
+        """The subgroup's state as fp32 tensors: its buffers themselves, or 8-bit state widened."""
+        if self.precision == quant8.FP32:
+            return {kind: loaded.tensor(kind) for kind in self.rule.state_kinds}
+        numel = loaded.sg.numel
+        wide = {spec.kind: self._wide[spec.kind][:numel] for spec in self.rule.states}
+        for spec in self.rule.states:
+            if first_step:
+                wide[spec.kind].fill_(spec.init)
+            else:
+                quant8.dequantize(loaded.raw[spec.kind], numel, quant8.is_signed(spec.kind), wide[spec.kind])
+        return wide
+
     def _apply(self, loaded: _Loaded, grad: torch.Tensor, ctx: StepContext) -> None:
         hyper = ctx.hyper[loaded.sg.param_group]
         ctx.prepare(grad)
         master = loaded.tensor(MASTER)
-        state = {kind: loaded.tensor(kind) for kind in self.rule.state_kinds}
+        state = self._state(loaded, ctx.step == 1)
+        self._math(master, grad, state, hyper, ctx)
+        if self.precision == quant8.INT8:
+            for kind, values in state.items():
+                quant8.quantize(values, quant8.is_signed(kind), loaded.raw[kind])
+
+    def _math(self, master: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], hyper: dict[str, Any],
+              ctx: StepContext) -> None:  # fmt: skip
         if self.adam_kernel is not None and self.rule.name in ("adam", "adamw"):
             self.adam_kernel.update(
                 self.rule.name == "adamw", master, grad, state["exp_avg"], state["exp_avg_sq"], hyper, ctx.step

@@ -25,14 +25,18 @@ CASES = {
     "host-deepspeed-adam": ({"update": {"host_adam": "deepspeed"}}, "32-true"),
     "host-deepspeed-adam-bf16-vertical-overlap": ({"update": {"host_adam": "deepspeed"}, "schedule": {
         "kind": "vertical", "micro_batches": 2, "overlap": 0.5}}, "bf16-mixed"),
+    "host-8bit-state-in-ram": ({"update": {"host_adam": "torch"}, "offload": {"state_precision": "8bit"}}, "32-true"),
+    "host-8bit-state-on-disk-deepspeed-adam-vertical": ({"update": {"host_adam": "deepspeed"}, "offload": {
+        "state_precision": "8bit", "host_memory_budget": "0"}, "schedule": {"kind": "vertical", "micro_batches": 2}},
+        "bf16-mixed"),
 }  # fmt: skip
 
 
 def train(root: Path, steps: int, settings: dict[str, Any], precision: str, resume: Path | None = None,
           samples: int = 16) -> Any:  # fmt: skip
-    strategy = SmartInfinityStrategy(
-        offload={"nvme_path": str(root / "state"), "subgroup_size": 4096, "io_backend": "threads"}, **settings
-    )
+    offload = {"nvme_path": str(root / "state"), "subgroup_size": 4096, "io_backend": "threads",
+               **settings.get("offload", {})}  # fmt: skip
+    strategy = SmartInfinityStrategy(offload=offload, **{k: v for k, v in settings.items() if k != "offload"})
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, precision=precision, logger=False,
         callbacks=[ModelCheckpoint(dirpath=root / "ckpts", every_n_train_steps=2, save_top_k=-1)],
@@ -91,3 +95,18 @@ def test_resume_with_another_configuration_names_what_differs(tmp_path: Path) ->
     with pytest.raises(ConfigError, match=r"another configuration: optimizer adamw \(this run: sgd\)"):
         trainer.fit(make_module("sgd"), token_loader(samples=16), ckpt_path=checkpoint)
     strategy.close()
+
+
+def test_resume_with_another_state_precision_is_refused(tmp_path: Path) -> None:
+    settings, precision = CASES["host-8bit-state-in-ram"]
+    train(tmp_path / "first", 2, settings, precision)
+    checkpoint = latest_checkpoint(tmp_path / "first" / "ckpts")
+    with pytest.raises(ConfigError, match=r"offload.state_precision=8bit \(this run: fp32; a resume keeps"):
+        train(tmp_path / "second", 4, {"update": {"host_adam": "torch"}}, precision, resume=checkpoint)
+
+
+def test_8bit_state_with_the_near_storage_update_is_refused_before_any_state_is_written(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="offload.state_precision=8bit runs with update=host"):
+        train(tmp_path, 2, {"update": {"backend": "smart", "devices": 2}, "offload": {"state_precision": "8bit"}},
+              "32-true")  # fmt: skip
+    assert not list((tmp_path / "state").rglob("master/*"))

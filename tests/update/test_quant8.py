@@ -1,0 +1,164 @@
+"""8-bit optimizer state (update/quant8.py) against a plain-torch reference of the paper's algorithm written here:
+the dynamic map decoded bit by bit, quantization to the nearest map value by brute force, and Adam on the widened
+state; the host update with 8-bit state on disk and in RAM equals it over 20 steps."""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_smartinf.core import MASTER, StepContext, Subgroup
+from lightning_smartinf.errors import ConfigError
+from lightning_smartinf.storage.aligned import aligned_bytes, typed_view
+from lightning_smartinf.storage.counters import TrafficCounters
+from lightning_smartinf.storage.io import make_backend
+from lightning_smartinf.storage.store import FileStore, HostStore, TieredStore
+from lightning_smartinf.update import quant8
+from lightning_smartinf.update.host import HostUpdater
+from lightning_smartinf.update.optimizers import OptimizerRule, StateSpec
+
+BLOCK = 2048
+
+
+def decoded_map(signed: bool) -> torch.Tensor:
+    """Each 8-bit code decoded: [sign], then zeros (a power of ten each), an indicator 1, and the remaining bits as
+    a linear fraction of [0.1, 1] (the middle of its step); no indicator at all: 0. The one code left over (the
+    sign's 'negative zero', or the unsigned code whose indicator is its last bit) stands for 1."""
+    values = []
+    width = 7 if signed else 8
+    for code in range(256):
+        negative = signed and bool(code >> 7)
+        bits = code & ((1 << width) - 1)
+        zeros = width - bits.bit_length()  # leading zeros before the indicator
+        fraction_bits = width - zeros - 1
+        if bits == 0:
+            values.append(1.0 if negative else 0.0)
+        elif not signed and fraction_bits == 0:
+            values.append(1.0)
+        else:
+            f = bits & ((1 << fraction_bits) - 1)
+            magnitude = 10.0**-zeros * (0.1 + 0.9 * (f + 0.5) / (1 << fraction_bits))
+            values.append(-magnitude if negative else magnitude)
+    return torch.tensor(sorted(values), dtype=torch.float32)
+
+
+def reference_quantize(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, absmax per block): the code of the map value nearest to x / absmax, the first one on a tie."""
+    table = decoded_map(signed)
+    codes, scales = [], []
+    for start in range(0, x.numel(), BLOCK):
+        block = x[start : start + BLOCK]
+        absmax = block.abs().max()
+        y = block / (absmax if absmax > 0 else torch.tensor(1.0))
+        codes.append((table[None, :] - y[:, None]).abs().argmin(dim=1))  # argmin: the first of equal distances
+        scales.append(absmax)
+    return torch.cat(codes), torch.stack(scales)
+
+
+def reference_dequantize(codes: torch.Tensor, scales: torch.Tensor, signed: bool) -> torch.Tensor:
+    table = decoded_map(signed)
+    return torch.cat([table[codes[i : i + BLOCK]] * scales[i // BLOCK] for i in range(0, codes.numel(), BLOCK)])
+
+
+def reference_adamw(params: torch.Tensor, grads: list[torch.Tensor], lr: float, betas: tuple[float, float],
+                    eps: float, weight_decay: float) -> torch.Tensor:  # fmt: skip
+    """AdamW whose two moments are kept 8-bit between steps (widened, updated in torch's single-tensor order,
+    quantized again)."""
+    p = params.clone()
+    m_q = reference_quantize(torch.zeros_like(p), True)
+    v_q = reference_quantize(torch.zeros_like(p), False)
+    for step, g in enumerate(grads, start=1):
+        m, v = reference_dequantize(*m_q, True), reference_dequantize(*v_q, False)
+        p.mul_(1 - lr * weight_decay)
+        m.lerp_(g, 1 - betas[0])
+        v.mul_(betas[1]).addcmul_(g, g, value=1 - betas[1])
+        step_size = lr / (1 - betas[0] ** step)
+        denom = (v.sqrt() / math.sqrt(1 - betas[1] ** step)).add_(eps)
+        p.addcdiv_(m, denom, value=-step_size)
+        m_q, v_q = reference_quantize(m, True), reference_quantize(v, False)
+    return p
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_the_map_is_the_bit_patterns_decoded(signed: bool) -> None:
+    assert torch.equal(quant8.dynamic_map(signed), decoded_map(signed))
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_quantize_picks_the_nearest_value_per_block(signed: bool) -> None:
+    torch.manual_seed(0)
+    numel = 3 * BLOCK + 517  # a short last block
+    x = torch.randn(numel) * torch.logspace(-8, 0, numel)
+    x = x if signed else x.abs()
+    x[BLOCK : 2 * BLOCK] = 0  # an all-zero block
+    table = quant8.dynamic_map(signed)
+    x[:256] = table * 3.0  # values exactly on the map
+    raw = aligned_bytes(quant8.payload(numel, quant8.INT8))
+    quant8.quantize(x, signed, raw)
+    codes, scales = quant8.split(raw, numel)
+    want_codes, want_scales = reference_quantize(x, signed)
+    assert torch.equal(codes.long(), want_codes) and torch.equal(scales, want_scales)
+    out = torch.empty(numel)
+    quant8.dequantize(raw, numel, signed, out)
+    assert torch.equal(out, reference_dequantize(want_codes, want_scales, signed))
+    assert quant8.payload(numel, quant8.INT8) == 4 * math.ceil(numel / 4) + 4 * 4  # codes, then 4 absmax
+
+
+class Gradients:
+    """The gradients of one step, by subgroup."""
+
+    def __init__(self) -> None:
+        self.now: dict[int, torch.Tensor] = {}
+
+    def fetch(self, sg: Subgroup) -> Future[torch.Tensor]:
+        done: Future[torch.Tensor] = Future()
+        done.set_result(self.now[sg.index].clone())
+        return done
+
+    def release(self, sg: Subgroup) -> None:
+        pass
+
+
+@pytest.mark.parametrize("where", ["disk", "ram"])
+def test_the_host_update_with_8bit_state_equals_the_reference_over_20_steps(where: str, tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    subgroups = [Subgroup(0, 1, 0, 0, 2 * BLOCK + 904), Subgroup(1, 1, 0, 3 * BLOCK, BLOCK)]
+    rule = OptimizerRule("adamw", (StateSpec("exp_avg", 0.0), StateSpec("exp_avg_sq", 0.0)))
+    backend = make_backend("threads", tmp_path, threads=2, intra_op_parallelism=1, block_size=1 << 20, queue_depth=8)
+    disk = FileStore(tmp_path, backend, TrafficCounters(), "host", verify=True)
+    in_ram = frozenset(sg.key for sg in subgroups) if where == "ram" else frozenset()
+    store = TieredStore(disk, HostStore(), in_ram)  # in RAM: updated in place
+    updater = HostUpdater(rule, store, max(sg.numel for sg in subgroups), 1, None, quant8.INT8)
+    start = {sg.index: torch.randn(sg.numel) for sg in subgroups}
+    updater.initialize(subgroups, lambda sg: start[sg.index])
+    hyper = [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}]
+    history: dict[int, list[torch.Tensor]] = {sg.index: [] for sg in subgroups}
+    grads = Gradients()
+    masters = {}
+    for step in range(1, 21):
+        grads.now = {sg.index: torch.randn(sg.numel) * 10.0 ** -(step % 5) for sg in subgroups}
+        for index, g in grads.now.items():
+            history[index].append(g)
+        for sg, master in updater.step(subgroups, grads, StepContext(step, hyper)):  # type: ignore[arg-type]
+            masters[sg.index] = master.clone()
+    for sg in subgroups:
+        want = reference_adamw(start[sg.index], history[sg.index], 1e-3, (0.9, 0.999), 1e-8, 0.1)
+        assert float((masters[sg.index] - want).abs().max()) <= 1e-6
+    on_disk = quant8.payload(subgroups[0].numel, quant8.INT8)
+    if where == "disk":  # the state files are the quantized bytes, about a quarter of fp32's
+        assert (tmp_path / "exp_avg" / "sg000000").stat().st_size == -(-on_disk // 4096) * 4096
+    raw = aligned_bytes(subgroups[0].numel * 4)
+    store.read(MASTER, "sg000000", raw, subgroups[0].numel * 4).result()
+    assert torch.equal(typed_view(raw, torch.float32, subgroups[0].numel), masters[0])
+    updater.close()
+
+
+def test_a_misspelled_precision_is_refused_naming_the_key_and_the_choices() -> None:
+    from lightning_smartinf.config import OffloadConfig
+
+    with pytest.raises(ConfigError, match=r"offload.state_precision='int8' is not one of fp32, 8bit"):
+        OffloadConfig(state_precision="int8")
