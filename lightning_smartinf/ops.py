@@ -46,7 +46,8 @@ def use_environment_extensions_dir() -> Path:
     return Path(os.environ["TORCH_EXTENSIONS_DIR"])
 
 
-def _build_directory(name: str) -> Path:
+def extension_build_directory(name: str) -> Path:
+    """Where torch builds the extension ``name`` (in this environment's op cache)."""
     from torch.utils.cpp_extension import _get_build_directory
 
     use_environment_extensions_dir()
@@ -55,7 +56,7 @@ def _build_directory(name: str) -> Path:
 
 def build_lock(name: str) -> Path | None:
     """The build lock of op ``name`` if one exists now (a build in progress, or one killed part-way)."""
-    lock = _build_directory(name) / "lock"
+    lock = extension_build_directory(name) / "lock"
     return lock if lock.exists() else None
 
 
@@ -105,7 +106,7 @@ def clear_stale_lock(name: str, directory: Path, grace: float = 10.0, patience: 
 def load_op(builder: Any) -> Any:
     """``builder.load()``, logging a first-use compile; a build lock left by a killed build is cleared first, and
     one held by a live build is waited on with a limit (``clear_stale_lock``)."""
-    directory = _build_directory(builder.NAME)
+    directory = extension_build_directory(builder.NAME)
     clear_stale_lock(builder.NAME, directory)
     if not (directory / f"{builder.NAME}.so").exists():
         log.info("compiling DeepSpeed's %s op in %s (first use only; a few minutes)", builder.NAME, directory)

@@ -29,8 +29,12 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             if (lock := build_lock(name)) is not None:
                 reporter.write_line(f"found {lock}: waiting if a build holds it, removing it if none does")
     loaded = build_all()
+    from lightning_smartinf.update import quant8
+
+    if quant8.kernel() is not None:  # the 8-bit state kernel, for the same reason
+        loaded.append(quant8.KERNEL)
     if reporter is not None:
-        reporter.write_line(f"DeepSpeed ops ready: {', '.join(loaded) or 'none compatible'}")
+        reporter.write_line(f"ops ready: {', '.join(loaded) or 'none compatible'}")
 
 
 @pytest.fixture(autouse=True)

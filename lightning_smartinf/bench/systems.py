@@ -3,6 +3,7 @@
 (a) DeepSpeed ZeRO-Infinity: the real engine, ZeRO-3, parameters and optimizer state on NVMe, DeepSpeedCPUAdam.
 (s) smart_infinity as a user runs it: every setting at its default but the state directory and the host memory
     budget, micro-batches the Lightning way (``accumulate_grad_batches``).
+(q) (s) with its optimizer state stored in 8 bits (``offload.state_precision=8bit``, update/quant8.py).
 (b) smart_infinity, horizontal schedule, host update: the same data flow as (a), our engine (gradients in host
     memory like DeepSpeed's; params and optimizer state on disk).
 (c) + vertical schedule, optimizer-step overlap and kept activations (no recompute) (GreedySnake).
@@ -15,10 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SYSTEMS = ("a", "s", "b", "c", "d", "e")
+SYSTEMS = ("a", "s", "q", "b", "c", "d", "e")
 NAMES = {
     "a": "DeepSpeed ZeRO-Infinity",
     "s": "smart_infinity, defaults",
+    "q": "smart_infinity, defaults, 8-bit state",
     "b": "smart_infinity horizontal",
     "c": "+ vertical + overlap",
     "d": "+ SmartUpdate",
@@ -103,8 +105,9 @@ def deepspeed_config(w: Workload, nvme_path: str) -> dict[str, Any]:
 
 def strategy_settings(system: str, w: Workload, nvme_path: str) -> dict[str, Any]:
     """The SmartInfinityStrategy keywords of systems (s)-(e)."""
-    if system == "s":
-        return {"offload": {"nvme_path": nvme_path, "host_memory_budget": w.host_memory_budget}}
+    if system in ("s", "q"):
+        precision = {"state_precision": "8bit"} if system == "q" else {}
+        return {"offload": {"nvme_path": nvme_path, "host_memory_budget": w.host_memory_budget, **precision}}
     settings: dict[str, Any] = {  # fp32 gradients accumulate in host memory, as DeepSpeed's do
         "offload": {"nvme_path": nvme_path, "subgroup_size": w.subgroup_size, "grads": "cpu",
                     "host_memory_budget": w.host_memory_budget},

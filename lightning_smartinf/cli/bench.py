@@ -8,10 +8,10 @@ a Markdown table, a PNG and the raw JSON, plus the exact DeepSpeed config it ran
     smartinf-bench --recipe gpt_760m --seq 512 --micro-batches 8 --systems a b c
 
 Systems: (a) DeepSpeed ZeRO-Infinity (ZeRO-3, params + optimizer on NVMe, DeepSpeedCPUAdam); (s) smart_infinity
-with every setting at its default (micro-batches as accumulate_grad_batches); (b) smart_infinity, horizontal, host
-update; (c) + vertical schedule and step overlap; (d) + SmartUpdate on ``--devices`` near-storage
-devices; (e) + SmartComp (top-k 1%, error feedback; with ``--catch-up`` also compression.catch_up). See
-``bench/systems.py``.
+with every setting at its default (micro-batches as accumulate_grad_batches); (q) (s) with 8-bit optimizer state;
+(b) smart_infinity, horizontal, host update; (c) + vertical schedule and step overlap; (d) + SmartUpdate on
+``--devices`` near-storage devices; (e) + SmartComp (top-k 1%, error feedback; with ``--catch-up`` also
+compression.catch_up). See ``bench/systems.py``.
 """
 
 from __future__ import annotations

@@ -89,7 +89,13 @@ def test_the_map_is_the_bit_patterns_decoded(signed: bool) -> None:
 
 
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
-def test_quantize_picks_the_nearest_value_per_block(signed: bool) -> None:
+@pytest.mark.parametrize("compiled", [True, False], ids=["kernel", "torch-ops"])
+def test_quantize_picks_the_nearest_value_per_block(signed: bool, compiled: bool,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The compiled kernel and the torch ops it falls back to, each against the brute-force reference."""
+    assert quant8.kernel() is not None, "the kernel should build wherever the tests run (a C++ compiler is there)"
+    if not compiled:
+        monkeypatch.setattr(quant8, "kernel", lambda: None)
     torch.manual_seed(0)
     numel = 3 * BLOCK + 517  # a short last block
     x = torch.randn(numel) * torch.logspace(-8, 0, numel)
@@ -97,6 +103,9 @@ def test_quantize_picks_the_nearest_value_per_block(signed: bool) -> None:
     x[BLOCK : 2 * BLOCK] = 0  # an all-zero block
     table = quant8.dynamic_map(signed)
     x[:256] = table * 3.0  # values exactly on the map
+    between = (table[1:] + table[:-1]) / 2  # and halfway between two: the lower one
+    x[2 * BLOCK : 2 * BLOCK + 255] = between * 2.0
+    x[2 * BLOCK + 255] = 2.0
     raw = aligned_bytes(quant8.payload(numel, quant8.INT8))
     quant8.quantize(x, signed, raw)
     codes, scales = quant8.split(raw, numel)
