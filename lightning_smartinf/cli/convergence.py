@@ -1,10 +1,14 @@
-"""``smartinf-convergence``: validation loss of SmartComp settings against uncompressed training, same seed and steps.
+"""``smartinf-convergence``: validation loss of lossy settings against exact training, same seed and steps.
 
-Trains the tiny recipe on the default corpus with SmartUpdate once per setting (uncompressed; top-k keep=0.01
-without and with error feedback; keep=0.05; keep=0.01 with error feedback and the devices' catch-up update), then
-writes a Markdown table and a PNG of the validation curves.
+Trains the tiny recipe on the default corpus once per setting of a suite, then writes a Markdown table and a PNG of
+the validation curves:
+
+- ``compression`` (default): SmartUpdate, uncompressed; top-k keep=0.01 without and with error feedback; keep=0.05;
+  keep=0.01 with error feedback and the devices' catch-up update;
+- ``state``: the host update with everything on storage, optimizer state in fp32 and in 8 bits.
 
     smartinf-convergence --steps 300 --out docs/
+    smartinf-convergence --suite state --steps 1000 --out docs/state_precision/
 """
 
 from __future__ import annotations
@@ -44,6 +48,15 @@ SETTINGS = {
 }
 
 
+SUITES: dict[str, tuple[list[str], dict[str, list[str]], str]] = {
+    "compression": (["update=smart", "update.devices=2", "offload.grads=cpu"], SETTINGS, "SmartComp"),
+    "state": (["offload.host_memory_budget=0"], {"fp32 state": ["offload.state_precision=fp32"],
+                                                 "8-bit state": ["offload.state_precision=8bit"]},
+              "optimizer state precision"),
+}
+"""Per suite: the overrides of every run, the settings (the first is the exact one), the plot's subject."""
+
+
 def compose_run(overrides: list[str]) -> TrainConfig:
     with initialize_config_dir(str(asset_dir("conf")), version_base=None):
         cfg = compose("config", overrides=overrides)
@@ -57,6 +70,7 @@ def val_curve(metrics_csv: Path) -> list[tuple[int, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suite", choices=sorted(SUITES), default="compression")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--out", default="convergence")
     parser.add_argument("--work", default="smartinf_runs/convergence")
@@ -64,10 +78,11 @@ def main() -> None:
     register_configs()
     out, work = Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
+    base_overrides, settings, subject = SUITES[args.suite]
     results = {}
-    for name, extra in SETTINGS.items():
+    for name, extra in settings.items():
         slug = re.sub(r"[^a-z0-9.]+", "_", name.replace("-", ""))  # "top-k keep=0.01 + ..." -> "topk_keep_0.01_..."
-        overrides = ["update=smart", "update.devices=2", "offload.grads=cpu", f"trainer.max_steps={args.steps}",
+        overrides = [*base_overrides, f"trainer.max_steps={args.steps}",
                      f"trainer.val_check_interval={max(args.steps // 6, 1)}", "trainer.limit_val_batches=8",
                      f"offload.nvme_path={work / slug / 'state'}", *extra]  # fmt: skip
         run_dir = work / slug
@@ -82,9 +97,10 @@ def main() -> None:
             "host_link_B_per_param_step": summary["host_link_bytes_per_param_per_step"],
             "overrides": extra,
         }
-    base = results["uncompressed"]["val_loss"]
+    exact = next(iter(settings))
+    base = results[exact]["val_loss"]
     lines = [
-        f"| setting | validation loss after {args.steps} steps | vs uncompressed | overrides |",
+        f"| setting | validation loss after {args.steps} steps | vs {exact} | overrides |",
         "|---|---|---|---|",
     ]
     for name, r in results.items():
@@ -98,7 +114,7 @@ def main() -> None:
     for name, r in results.items():
         steps, losses = zip(*r["curve"], strict=True)
         ax.plot(steps, losses, "o-", label=name)
-    ax.set(xlabel="optimizer step", ylabel="validation loss (nats/byte)", title="SmartComp convergence, gpt_tiny")
+    ax.set(xlabel="optimizer step", ylabel="validation loss (nats/byte)", title=f"{subject}: convergence, gpt_tiny")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "convergence.png", dpi=100)

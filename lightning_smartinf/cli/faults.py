@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from lightning_smartinf.cli.chaos import final_weights, newest_step, same_weights, train_command
+from lightning_smartinf.cli.chaos import chain_difference, final_weights, newest_step, train_command
 from lightning_smartinf.cli.faultfs import KINDS
 
 STATE_FILES = "state/*/sg*"
@@ -121,7 +121,7 @@ def run(root: Path, backend: str, kinds: str, seed: int, rate: float, limit: int
             cmd = train_command(out, source / "state", steps, every, overrides, resume=resumed_from >= 0)
             if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode != 0:
                 raise SystemExit(f"smartinf-faults: finishing {name} from its checkpoint failed: {work}/resume.log")
-    exact = same_weights(expected, final_weights(out, steps))
+    exact = chain_difference(expected, final_weights(out, steps)) == 0.0
     injected = [json.loads(line) for line in faults_log.read_text().splitlines()] if faults_log.exists() else []
     record = RunRecord(backend, kinds, seed, returncode, resumed_from, exact)
     for item in injected:

@@ -1,0 +1,24 @@
+"""smartinf-chaos's arithmetic: the rank counts of --world-sizes keep the global batch, and how chains compare."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_smartinf.cli.chaos import chain_difference, rank_plan
+
+
+def test_each_rank_count_accumulates_to_the_same_global_batch() -> None:
+    assert rank_plan([2, 1]) == [(2, 1), (1, 2)]
+    assert rank_plan([4, 1, 2]) == [(4, 1), (1, 4), (2, 2)]
+    with pytest.raises(SystemExit, match="each must divide the largest"):
+        rank_plan([2, 3])
+
+
+def test_a_chain_differs_by_its_largest_relative_difference() -> None:
+    expected = {"w": torch.tensor([1.0, -2.0]), "b": torch.zeros(2), "n": torch.tensor([3])}
+    assert chain_difference(expected, {k: v.clone() for k, v in expected.items()}) == 0.0
+    moved = {**expected, "w": torch.tensor([1.0, -2.0002])}
+    assert chain_difference(expected, moved) == pytest.approx(1e-4, rel=1e-3)
+    assert chain_difference(expected, {**expected, "b": torch.tensor([0.0, 1e-9])}) == float("inf")
+    assert chain_difference(expected, {"w": expected["w"]}) == float("inf")
