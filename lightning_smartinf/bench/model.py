@@ -70,6 +70,10 @@ class Hardware:
         return cls(**values)
 
 
+MODELED = ("a", "b", "c", "d", "e")
+"""The systems ``predict`` models (``smartinf-bench``'s (s) and (q) run the engine's own choices: not modelled here)."""
+
+
 @dataclass
 class Job:
     params: float
@@ -85,6 +89,9 @@ class Job:
     frozen_resident: float = 0.0
     """Frozen parameters outside the blocks (embeddings, head of a LoRA base): computed with, kept on the device."""
     frozen_itemsize: int = 2
+    state_bytes: float = 12.0
+    """Bytes of fp32 master and Adam state a trainable parameter keeps on storage with our host update: 12 in fp32,
+    about 6 with ``offload.state_precision=8bit`` (update/quant8.py). DeepSpeed's (a) and the devices' are fp32."""
 
     @property
     def model_params(self) -> float:
@@ -119,7 +126,8 @@ def predict(system: str, job: Job, hw: Hardware, keep: float = 0.01, vertical: b
     param_bytes = 2 * (2 * streamed + job.frozen_itemsize * job.frozen) * (1 if vertical else m)
     params_io = disk_time(param_bytes, 0.0)
     if system in ("a", "b", "c"):
-        step_read, step_write = 12 * p, 14 * p
+        state = 12 * p if system == "a" else job.state_bytes * p
+        step_read, step_write = state, state + 2 * p
         step_io, host_update = disk_time(step_read, step_write), p / (hw.host_update * 1e9)
         step = max(step_io, host_update)
         host_link = param_bytes + step_read + step_write
@@ -172,7 +180,7 @@ def memory_needs(job: Job, hw: Hardware, system: str, layers: int, subgroup: int
         + 3 * (2 * block + frozen_block) + checkpoints,
         "host": 4 * p + 3 * (2 * block + frozen_block) + 4 * sg * (4 + 3 * 3) + 4 * block,
         "storage (host SSDs)": 2 * job.streamed + job.frozen_itemsize * job.frozen
-        + (12 * p if system in ("a", "b", "c") else 0),
+        + (12 * p if system == "a" else job.state_bytes * p if system in ("b", "c") else 0),
     }
     if system in ("d", "e"):
         needs["storage (per device)"] = 12 * p / max(hw.devices, 1)

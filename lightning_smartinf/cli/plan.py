@@ -24,11 +24,12 @@ import psutil
 import torch
 from omegaconf import OmegaConf
 
-from lightning_smartinf.bench.model import GB, Hardware, Job, describe, memory_needs, predict
-from lightning_smartinf.bench.systems import NAMES, SYSTEMS, Workload
+from lightning_smartinf.bench.model import GB, MODELED, Hardware, Job, describe, memory_needs, predict
+from lightning_smartinf.bench.systems import NAMES, Workload
 from lightning_smartinf.cli.bench import recipe_model, run_one
 from lightning_smartinf.resources import asset_dir
 from lightning_smartinf.schedule.planner import probe_machine
+from lightning_smartinf.update import quant8
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -143,6 +144,8 @@ def compare(bench_json: Path, job: Job, hw: Hardware) -> str:
     bench = json.loads(bench_json.read_text())
     lines = ["| system | measured s | predicted s | error |", "|---|---|---|---|"]
     for system, r in bench["results"].items():
+        if system not in MODELED:
+            continue
         got = predict(system, dataclasses.replace(job, params=r["params"]), hw).seconds
         lines.append(f"| ({system}) {NAMES[system]} | {r['seconds_per_step']:.2f} | {got:.2f} | "
                      f"{(got - r['seconds_per_step']) / r['seconds_per_step']:+.0%} |")  # fmt: skip
@@ -193,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--lora-rank", type=int, help="an HF recipe with LoRA adapters of this rank over a frozen "
                         "bf16 base (q/k/v/o projections): what trains and what only streams")  # fmt: skip
+    parser.add_argument("--state-precision", choices=quant8.PRECISIONS, default=quant8.FP32,
+                        help="offload.state_precision of the host update's systems (b), (c)")
     args = parser.parse_args(argv)
     model = recipe_model(args.recipe, args.seq)
     if model.get("kind") == "hf":
@@ -206,6 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         layers = model["n_layer"] = args.layers or model["n_layer"]
         job = job_of(model, args.seq, args.micro_batch, args.micro_batches)
+    job = dataclasses.replace(job, state_bytes=4 + 2 * quant8.bytes_per_element(args.state_precision))
     if not (args.measure or args.hardware):
         parser.error("give --hardware NAME (recipes/hardware/) or --measure")
     hw = measure(Path(args.nvme_path), args.devices) if args.measure else hardware_preset(args.hardware)
@@ -218,13 +224,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.recipe}: {job.model_params / 1e9:.2f} B parameters{frozen}, {job.tokens:,.0f} tokens per iteration "
           f"in {job.micro_batches} micro-batches, on {hw.name}:")  # fmt: skip
     print("  " + ", ".join(f"{k}={v}" for k, v in hw.__dict__.items() if k != "name"))
-    systems = [s for s in SYSTEMS if hw.devices > 0 and hw.device_update > 0 or s in ("a", "b", "c")]
+    systems = [s for s in MODELED if hw.devices > 0 and hw.device_update > 0 or s in ("a", "b", "c")]
     predictions = [predict(s, job, hw) for s in systems]
     print(describe(predictions, job))
     best = min(predictions, key=lambda x: x.seconds)
     print(f"\nrecommended: ({best.system}) {NAMES[best.system]} ({best.seconds:.2f} s/iteration, bound by "
           f"{best.bottleneck})")  # fmt: skip
     settings = settings_for(best.system, hw, args.seq, args.micro_batch, args.micro_batches)
+    if args.state_precision != quant8.FP32 and best.system in ("b", "c"):
+        settings += f" offload.state_precision={args.state_precision}"
     adapters = f" model.path=DIR peft=lora peft.r={args.lora_rank}" if args.lora_rank else ""
     print(f"  settings: smartinf-train recipe={args.recipe}{adapters} {settings}")
     print("memory and disk needed per tier:")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from lightning_smartinf.bench.model import Hardware, predict
 from lightning_smartinf.cli.bench import recipe_model
 from lightning_smartinf.cli.plan import hardware_preset, job_of
+from lightning_smartinf.update import quant8
 
 
 def job(micro_batches: int = 8):  # noqa: ANN201
@@ -28,6 +31,15 @@ def test_vertical_reads_parameters_once_per_iteration() -> None:
     vertical = [predict("c", job(m), hw).parts["params_io"] for m in (1, 4)]
     assert horizontal[1] == pytest.approx(4 * horizontal[0]) and vertical[0] == pytest.approx(vertical[1])
     assert predict("c", job(8), hw).seconds < predict("a", job(8), hw).seconds
+
+
+def test_8bit_state_takes_about_6_bytes_a_parameter_off_each_way_of_the_step() -> None:
+    hw = hardware_preset("greedysnake_a100")
+    fp32, small = job(), dataclasses.replace(job(), state_bytes=4 + 2 * quant8.bytes_per_element(quant8.INT8))
+    for system in ("b", "c"):
+        saved = predict(system, fp32, hw).disk_bytes - predict(system, small, hw).disk_bytes
+        assert saved == pytest.approx(2 * 5.996 * fp32.params, rel=1e-3)
+    assert predict("a", small, hw).disk_bytes == predict("a", fp32, hw).disk_bytes  # DeepSpeed keeps fp32
 
 
 def test_unknown_hardware_key_is_named() -> None:
