@@ -20,6 +20,7 @@ import torch
 from lightning_smartinf.checkpoint.manifest import CheckpointError
 from lightning_smartinf.core import Subgroup
 from lightning_smartinf.storage.aligned import align_up
+from lightning_smartinf.update import quant8
 
 STATE_BYTES = 4
 """Every state kind (fp32 master, optimizer state, catch-up's step) holds 4 bytes per element."""
@@ -94,6 +95,34 @@ class SavedLayout:
 
     def file(self, piece: SavedPiece, kind: str) -> Path | None:
         return self._files[piece.part].get((kind, piece.key))
+
+    def assemble_quantized(self, sg: Subgroup, kind: str) -> torch.Tensor | None:
+        """``sg``'s 8-bit ``kind`` state (update/quant8.py) as the bytes of its state file: each element's code and
+        each 2048-element block's absmax, from the saved subgroups. Subgroups start on 2048-element boundaries of
+        their block, so every quantization block lies whole in one saved subgroup and one of this layout."""
+        pieces = list(self.covering(sg))
+        files = [self.file(piece, kind) for piece, _, _, _ in pieces]
+        if all(f is None for f in files):
+            return None
+        out = torch.zeros(align_up(quant8.payload(sg.numel, quant8.INT8)), dtype=torch.uint8)
+        codes, scales = quant8.split(out, sg.numel)
+        scale_bytes = scales.view(torch.uint8)
+        for (piece, first, into, count), path in zip(pieces, files, strict=True):
+            if path is None:
+                raise CheckpointError(f"the checkpoint holds no {kind} file for saved subgroup {piece.key} of rank "
+                                      f"{piece.part}, though other subgroups have one")  # fmt: skip
+            blocks = quant8.blocks(count)
+            with path.open("rb") as f:
+                f.seek(first)
+                got_codes = f.read(count)
+                f.seek(quant8.codes_bytes(piece.numel) + 4 * (first // quant8.BLOCK))
+                got_scales = f.read(4 * blocks)
+            if len(got_codes) != count or len(got_scales) != 4 * blocks:
+                raise CheckpointError(f"{path} is shorter than its subgroup")
+            codes[into : into + count] = torch.frombuffer(bytearray(got_codes), dtype=torch.uint8)
+            at = 4 * (into // quant8.BLOCK)
+            scale_bytes[at : at + 4 * blocks] = torch.frombuffer(bytearray(got_scales), dtype=torch.uint8)
+        return out
 
     def assemble(self, sg: Subgroup, kind: str) -> torch.Tensor | None:
         """``sg``'s ``kind`` state as the bytes of a state file (padded to the 4 KiB alignment files have), or None

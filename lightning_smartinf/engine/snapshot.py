@@ -188,9 +188,6 @@ def signature_differences(saved: dict[str, Any], current: dict[str, Any], exact:
     if saved_precision != current["state_precision"]:
         found.append(f"offload.state_precision={saved_precision} (this run: {current['state_precision']}; a "
                      "resume keeps the state's precision)")  # fmt: skip
-    elif not exact and saved_precision != FP32:
-        found.append(f"offload.state_precision={saved_precision}: 8-bit state resumes only with the layout it was "
-                     "written with (the same ranks, offload.subgroup_size and state directories)")  # fmt: skip
     if exact and saved["state_directories"] != current["state_directories"]:
         found.append(f"{saved['state_directories']} state directories, one per update device or offload.nvme_path "
                      f"entry (this run: {current['state_directories']})")  # fmt: skip
@@ -377,10 +374,11 @@ def _relayout(engine: Stateful, manifest: Manifest, parts: list[tuple[str, dict[
     tiered = _in_ram(engine)
     in_ram = tiered.host_keys if tiered is not None else frozenset()
     directories = _state_dirs(engine)
+    quantized = _precision(engine) != FP32
     sums: dict[Path, WrittenSum] = {}
     for sg in engine.layout.subgroups:
         for kind in _kinds(engine):
-            data = saved.assemble(sg, kind)
+            data = saved.assemble_quantized(sg, kind) if quantized and kind != MASTER else saved.assemble(sg, kind)
             if data is None:  # saved before the first step: no optimizer state yet
                 continue
             if sg.key in in_ram:

@@ -46,6 +46,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--micro-batches", type=int, default=2)
     parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
     parser.add_argument("--budget", default=None, help="offload.host_memory_budget (0: every state file on disk)")
+    parser.add_argument("--state-precision", default="fp32", help="offload.state_precision")
     parser.add_argument("--overlap", type=float, default=0.0)
     parser.add_argument("--eager", action="store_true", help="schedule.eager_update")
     parser.add_argument("--precision", default="32-true")
@@ -109,6 +110,7 @@ def run(args: argparse.Namespace, gathers: WatchGathers) -> SmartInfinityStrateg
     offload: dict[str, Any] = {"nvme_path": str(args.out / "state"), "subgroup_size": 4096, "io_backend": "threads"}
     if args.budget is not None:
         offload["host_memory_budget"] = args.budget
+    offload["state_precision"] = args.state_precision
     if args.update == "smart":
         update["devices"] = 2
     compression = {"kind": "topk", "keep": args.topk} if args.topk else None

@@ -17,6 +17,7 @@ from lightning_smartinf.engine.layout import build_layout
 from lightning_smartinf.engine.relayout import SavedLayout, mappable
 from lightning_smartinf.models.gpt import GPT
 from lightning_smartinf.schedule.horizontal import find_blocks
+from lightning_smartinf.update import quant8
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -110,3 +111,31 @@ def test_a_layout_of_another_model_is_not_mappable() -> None:
     other["blocks"][1]["params"][0][1] += 2048
     assert mappable(other, mine) == [f"block {other['blocks'][1]['name']!r} lays out its parameters otherwise "
                                      "(another parameter order or param groups)"]  # fmt: skip
+
+
+@pytest.mark.parametrize(("saved_world", "world", "size"), [(2, 1, 8192), (1, 3, 2048)])
+def test_8bit_state_is_recut_code_by_code_and_block_by_block(saved_world: int, world: int, size: int,
+                                                              tmp_path: Path) -> None:  # fmt: skip
+    """Each element's code and each 2048-element block's absmax (update/quant8.py) land where this layout keeps
+    them: quantization blocks start on the subgroups' 2048-element boundaries, so none is split."""
+
+    def quantized(block: int, start: int, numel: int) -> bytes:
+        raw = torch.zeros(quant8.payload(numel, quant8.INT8), dtype=torch.uint8)
+        codes, scales = quant8.split(raw, numel)
+        codes.copy_(torch.from_numpy((tag(0, block, start, numel) % 251).astype(np.uint8)))
+        scales.copy_(torch.arange(start // 2048, start // 2048 + scales.numel(), dtype=torch.float32) + block * 1000)
+        return raw.numpy().tobytes()
+
+    for rank, layout in enumerate(layouts(saved_world, 4096)):
+        for sg in layout.subgroups:
+            target = tmp_path / f"rank{rank}" / "state0" / "exp_avg" / sg.key
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(quantized(sg.block, sg.offset, sg.numel))
+    saved = SavedLayout([(tmp_path / f"rank{r}", record(layout)) for r, layout in
+                         enumerate(layouts(saved_world, 4096))])  # fmt: skip
+    for layout in layouts(world, size):
+        for sg in layout.subgroups:
+            got = saved.assemble_quantized(sg, "exp_avg")
+            assert got is not None
+            want = quantized(sg.block, sg.offset, sg.numel)
+            assert got[: len(want)].numpy().tobytes() == want, sg
