@@ -51,8 +51,9 @@ from lightning_smartinf.update import quant8
 from lightning_smartinf.update.base import Updater
 from lightning_smartinf.update.cpu_adam import load_cpu_adam
 from lightning_smartinf.update.host import HostUpdater
+from lightning_smartinf.update.opencl import device_specs
 from lightning_smartinf.update.optimizers import OptimizerRule, rule_for, with_catch_up
-from lightning_smartinf.update.smart import SmartUpdater, device_specs
+from lightning_smartinf.update.smart import SmartUpdater
 
 log = logging.getLogger(__name__)
 
@@ -336,9 +337,6 @@ def make_updater(rule: OptimizerRule, update: UpdateConfig, offload: OffloadConf
         kernel = load_cpu_adam(update.host_adam) if rule.name in ("adam", "adamw") else None
         return HostUpdater(rule, tier or disk, layout.max_subgroup_numel, offload.step_lookahead, kernel,
                            offload.state_precision)  # fmt: skip
-    if offload.state_precision != quant8.FP32:
-        raise ConfigError(f"offload.state_precision={offload.state_precision} runs with update=host for now: the "
-                          "near-storage kernels keep fp32 state; use update=host or offload.state_precision=fp32")
     if update.wire == "16bit" and param_dtype == torch.float32:
         raise ConfigError("update.wire=16bit needs a 16-bit training precision (bf16-mixed or 16-mixed)")
     wire = param_dtype if update.wire == "16bit" else torch.float32
@@ -350,7 +348,7 @@ def make_updater(rule: OptimizerRule, update: UpdateConfig, offload: OffloadConf
 
     compressor = TopKCompressor(compression, layout, device) if compression.kind == "topk" else None
     return SmartUpdater(rule, specs, root, make_store, directories.counters, layout, wire, offload.grads == "nvme",
-                        compressor)  # fmt: skip
+                        compressor, offload.state_precision)  # fmt: skip
 
 
 def resident_bytes(parts: EngineParts, device: torch.device) -> int:

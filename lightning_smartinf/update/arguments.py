@@ -22,6 +22,9 @@ KERNEL_ARGUMENTS: dict[str, tuple[str, ...]] = {
     "zero_fill": ("grad", "n"),
     "scatter": ("grad", "n", "index", "value", "nnz"),
     "adam_decay": ("master", "param_out", "n", "decay"),
+    "dequantize8": ("raw", "scales_at", "table", "out", "n"),
+    "quantize8": ("values", "raw", "scales_at", "table", "direct", "below", "offset", "buckets", "shift", "lowest",
+                  "n"),
     "adam_catch_up": ("master", "exp_avg", "exp_avg_sq", "last_step", "param_out", "n", "index", "value", "square",
                       "nnz", "beta1", "beta2", "eps", "l2", "step", "start", "step_size", "bc2_sqrt"),
 }  # fmt: skip

@@ -15,11 +15,13 @@ from typing import Any
 
 import torch
 
-from lightning_smartinf.errors import SetupError
+from lightning_smartinf.errors import ConfigError, SetupError
 from lightning_smartinf.resources import asset_dir
 
 KERNEL_SOURCE = "optimizers.cl"
 SPARSE_SOURCE = "sparse.cl"
+QUANT_SOURCE = "quant8.cl"
+"""8-bit optimizer state: built with correctly rounded division, so it quantizes exactly as the host does."""
 _SIGNATURE = re.compile(r"__kernel\s+void\s+(\w+)\s*\(([^)]*)\)")
 
 
@@ -170,6 +172,8 @@ def build_program(context: Any, device: Any, grad_dtype: torch.dtype, param_dtyp
 
     options = [f"-DGRAD_FORMAT={FORMATS[grad_dtype]}", f"-DPARAM_FORMAT={FORMATS[param_dtype]}",
                f"-DVALUE_FORMAT={FORMATS[grad_dtype]}"]  # fmt: skip
+    if source_name == QUANT_SOURCE:
+        options.append("-cl-fp32-correctly-rounded-divide-sqrt")
     if binary is not None:
         data = Path(binary).read_bytes()
         try:
@@ -185,3 +189,18 @@ def build_program(context: Any, device: Any, grad_dtype: torch.dtype, param_dtyp
     except cl.Error as err:
         raise KernelBuildError(f"update=smart: {source_name} failed to build on {device.name!r}:\n{err}", device,
                                str(err)) from err
+
+
+def device_specs(devices: Any) -> list[DeviceSpec]:
+    """``update.devices`` (a count or a list of mappings) as device specs; a count asks PoCL for that many."""
+    if isinstance(devices, int):
+        ensure_pocl_devices(devices)
+        return [DeviceSpec(device=k) for k in range(devices)]
+    specs = []
+    for entry in devices:
+        unknown = sorted(set(entry) - {"platform", "device", "path", "binary"})
+        if unknown:
+            raise ConfigError(f"update.devices entry has unknown keys {unknown}; valid: platform, device, path, binary")
+        specs.append(DeviceSpec(**dict(entry)))
+    ensure_pocl_devices(max(s.device for s in specs) + 1)
+    return specs

@@ -139,7 +139,7 @@ def _nearest(y: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 
 @cache
-def _buckets(signed: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+def buckets(signed: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Per bucket of [-1, 1] (or [0, 1]) in the sortable order: the code of every value in it, or -1 where the
     codes of its first and last values differ (the nearest map value changes inside it; ``code`` is monotone in the
     value, so that is the only way); the index of the largest map value at or below its first value (0 where none
@@ -164,9 +164,10 @@ def quantize(values: torch.Tensor, signed: bool, raw: torch.Tensor) -> None:
     values around ``value / absmax``; a table by fp32 bucket finds them without a search."""
     numel = values.numel()
     codes, scales = split(raw, numel)
+    raw[numel : codes_bytes(numel)].zero_()  # the padding before the absmax values: files equal run to run
     compiled = kernel()
     if compiled is not None:
-        direct, below, offset = _buckets(signed)
+        direct, below, offset = buckets(signed)
         compiled.quantize(values.contiguous(), dynamic_map(signed), direct, below, offset, BUCKET_SHIFT, signed, codes,
                           scales)  # fmt: skip
         return
@@ -183,7 +184,7 @@ def quantize(values: torch.Tensor, signed: bool, raw: torch.Tensor) -> None:
         torch.div(values[full:], divisor[-1], out=y[full:])
     y.clamp_(-1.0 if signed else 0.0, 1.0)
     table = dynamic_map(signed)
-    _, below, offset = _buckets(signed)
+    _, below, offset = buckets(signed)
     bucket = (_sortable(y.view(torch.int32)) >> BUCKET_SHIFT).add_(offset)
     low = below[bucket.long()].long()
     low += (table[(low + 1).clamp_(max=255)] <= y) & (low < 255)  # the bucket's one map value, where y passed it

@@ -30,15 +30,16 @@ from lightning_smartinf.errors import ConfigError
 from lightning_smartinf.storage.aligned import Allocator, align_up, aligned_bytes, typed_view
 from lightning_smartinf.storage.counters import READ, WRITE, TrafficCounters
 from lightning_smartinf.storage.store import FileStore, RoutedStore
+from lightning_smartinf.update import quant8
 from lightning_smartinf.update.arguments import DENSE, KERNEL_ARGUMENTS, catch_up_scalars, kernel_scalars
 from lightning_smartinf.update.base import GradientSource
+from lightning_smartinf.update.device_state import DeviceQuantizer
 from lightning_smartinf.update.opencl import (
     KERNEL_SOURCE,
     SPARSE_SOURCE,
     DeviceSpec,
     NamedKernel,
     build_program,
-    ensure_pocl_devices,
     launch_shape,
     open_device,
 )
@@ -54,8 +55,9 @@ class _Slot:
     """One fixed set of device buffers: master, optimizer state, gradient in, parameters out."""
 
     def __init__(self, cl: Any, context: Any, rule: OptimizerRule, numel: int, grad_dtype: torch.dtype,
-                 param_dtype: torch.dtype, max_nnz: int, squares: bool, allocator: Allocator) -> None:  # fmt: skip
-        sizes = {k: 4 * numel for k in (MASTER, *rule.state_kinds)}
+                 param_dtype: torch.dtype, max_nnz: int, squares: bool, allocator: Allocator,
+                 precision: str = quant8.FP32) -> None:  # fmt: skip
+        sizes = {MASTER: 4 * numel, **{k: quant8.payload(numel, precision) for k in rule.state_kinds}}
         sizes[GRAD] = torch.empty((), dtype=grad_dtype).element_size() * numel
         sizes[PARAM] = torch.empty((), dtype=param_dtype).element_size() * numel
         if max_nnz:  # SmartComp: int32 indices and 16-bit values in, decompressed into "grad"
@@ -69,6 +71,8 @@ class _Slot:
         self.maps: list[Any] = []
         self.writes: list[Future[None]] = []
         self.sg: Subgroup | None = None
+        self.wide: dict[str, Any] = {}
+        """8-bit state: each state kind widened to fp32, in device memory (update/device_state.py)."""
 
     def map(self, cl: Any, queue_: Any) -> None:
         """Hand the buffers to the host (with USE_HOST_PTR the host memory then holds the device's latest bits)."""
@@ -170,8 +174,9 @@ class NearStorageDevice:
 
     def __init__(self, index: int, spec: DeviceSpec, directory: Path, rule: OptimizerRule, store: FileStore,
                  max_numel: int, wire_dtype: torch.dtype, compression: CompressionConfig | None,
-                 outbox: queue.Queue[Outbound]) -> None:  # fmt: skip
-        """``wire_dtype`` is both the gradient's dtype in and the parameters' dtype out."""
+                 outbox: queue.Queue[Outbound], precision: str = quant8.FP32) -> None:  # fmt: skip
+        """``wire_dtype`` is both the gradient's dtype in and the parameters' dtype out; ``precision``: of the
+        optimizer state in the device's files (``offload.state_precision``)."""
         import pyopencl as cl
 
         grad_dtype = param_dtype = wire_dtype
@@ -194,8 +199,13 @@ class NearStorageDevice:
             )
             nnz = max_nnz(max_numel, compression)
         squares = compression is not None and compression.catch_up
+        self.precision = precision
+        self.quantizer = DeviceQuantizer(cl, self.context, self.device) if precision == quant8.INT8 else None
         self.slots = [_Slot(cl, self.context, rule, max_numel, grad_dtype, param_dtype, nnz, squares,
-                            store.allocator) for _ in range(2)]  # fmt: skip
+                            store.allocator, precision) for _ in range(2)]  # fmt: skip
+        if self.quantizer is not None:
+            for slot in self.slots:
+                slot.wide = self.quantizer.wide_buffers(rule.state_kinds, max_numel)
         for slot in self.slots:
             slot.map(cl, self.queue)
         self.grad_dtype, self.param_dtype = grad_dtype, param_dtype
@@ -248,8 +258,13 @@ class NearStorageDevice:
         """Enqueue the subgroup's kernels (one in-order queue) and return the last one's event."""
         b, n = slot.buffers, np.uint32(job.sg.numel)
         sparse = job.gradient
+        if self.quantizer is not None:  # 8-bit state: widened on the device, stepped, quantized back
+            for spec in self.rule.states:
+                init = spec.init if job.ctx.step == 1 else None
+                self.quantizer.widen(self.queue, b[spec.kind], slot.wide[spec.kind], spec.kind, job.sg.numel, init)
         if not isinstance(sparse, SparseGradient):
-            return self.kernel(self.queue, *launch_shape(job.sg.numel), **self._arguments(slot, job))
+            return self._narrow(slot, job, self.kernel(self.queue, *launch_shape(job.sg.numel),
+                                                       **self._arguments(slot, job)))  # fmt: skip
         nnz = np.uint32(sparse.indices.numel())
         received = {"index": b[INDEX], "value": b[VALUE], "nnz": nnz}
         if sparse.squares is not None:  # catch-up: decay every element, then move the received ones
@@ -262,17 +277,28 @@ class NearStorageDevice:
         # decompress: zero-fill, scatter, then the optimizer kernel on the dense gradient
         self.zero_fill(self.queue, (job.sg.numel,), None, grad=b[GRAD], n=n)
         self.scatter(self.queue, (int(nnz),), None, grad=b[GRAD], n=n, **received)
-        return self.kernel(self.queue, *launch_shape(job.sg.numel), **self._arguments(slot, job))
+        return self._narrow(slot, job, self.kernel(self.queue, *launch_shape(job.sg.numel),
+                                                   **self._arguments(slot, job)))  # fmt: skip
+
+    def _narrow(self, slot: _Slot, job: Job, event: Any) -> Any:
+        """8-bit state: quantize the stepped state back into the buffers written to storage; the last event."""
+        if self.quantizer is None:
+            return event
+        for kind in self.rule.state_kinds:
+            event = self.quantizer.narrow(self.queue, slot.wide[kind], slot.buffers[kind], kind, job.sg.numel)
+        return event
 
     def _load(self, slot: _Slot, job: Job) -> list[Future[None]]:
         sg, first = job.sg, job.ctx.step == 1
         slot.sg = sg
         reads = [self.store.read(MASTER, sg.key, slot.host[MASTER], sg.numel * 4)]
+        state_bytes = quant8.payload(sg.numel, self.precision)
         for spec in self.rule.states:
             if first:
-                typed_view(slot.host[spec.kind], torch.float32, sg.numel).fill_(spec.init)
+                if self.quantizer is None:  # 8-bit state starts on the device (DeviceQuantizer.widen)
+                    typed_view(slot.host[spec.kind], torch.float32, sg.numel).fill_(spec.init)
             else:
-                reads.append(self.store.read(spec.kind, sg.key, slot.host[spec.kind], sg.numel * 4))
+                reads.append(self.store.read(spec.kind, sg.key, slot.host[spec.kind], state_bytes))
         grad = typed_view(slot.host[GRAD], self.grad_dtype, sg.numel)
         match job.gradient:
             case SparseGradient() as sparse:  # indices and values over the host link, scattered on the device
@@ -298,7 +324,7 @@ class NearStorageDevice:
         the rule has none for (SGD without momentum) gets the master buffer, which the kernel then never reads."""
         b, names = slot.buffers, self.kernel.arguments
         state_params = names[1 : names.index("grad")]
-        state = [b[kind] for kind in self.rule.state_kinds if kind != LAST_STEP]
+        state = [(slot.wide or b)[kind] for kind in self.rule.state_kinds if kind != LAST_STEP]
         state += [b[MASTER]] * (len(state_params) - len(state))
         scalars = names[len(DENSE) + len(state_params) :]
         return {"master": b[MASTER], **dict(zip(state_params, state, strict=True)), "grad": b[GRAD],
@@ -314,8 +340,10 @@ class NearStorageDevice:
         params = typed_view(slot.host[PARAM], self.param_dtype, sg.numel).clone()
         self.store.counters.add(HOST_LINK, UPDATED, READ, params.numel() * params.element_size())
         self.outbox.put(Updated(sg, params))
-        for kind in (MASTER, *self.rule.state_kinds):
-            slot.writes.append(self.store.write(kind, sg.key, slot.host[kind], sg.numel * 4))
+        state_bytes = quant8.payload(sg.numel, self.precision)
+        slot.writes.append(self.store.write(MASTER, sg.key, slot.host[MASTER], sg.numel * 4))
+        for kind in self.rule.state_kinds:
+            slot.writes.append(self.store.write(kind, sg.key, slot.host[kind], state_bytes))
 
     def drain(self) -> None:
         for slot in self.slots:
@@ -327,22 +355,9 @@ class NearStorageDevice:
         self._thread.join()
         for slot in self.slots:
             slot.close(self.queue)
+            if self.quantizer is not None:
+                self.quantizer.release(slot.wide)
         self.slots = []
-
-
-def device_specs(devices: Any) -> list[DeviceSpec]:
-    """``update.devices`` (a count or a list of mappings) as device specs; a count asks PoCL for that many."""
-    if isinstance(devices, int):
-        ensure_pocl_devices(devices)
-        return [DeviceSpec(device=k) for k in range(devices)]
-    specs = []
-    for entry in devices:
-        unknown = sorted(set(entry) - {"platform", "device", "path", "binary"})
-        if unknown:
-            raise ConfigError(f"update.devices entry has unknown keys {unknown}; valid: platform, device, path, binary")
-        specs.append(DeviceSpec(**dict(entry)))
-    ensure_pocl_devices(max(s.device for s in specs) + 1)
-    return specs
 
 
 class SmartUpdater:
@@ -359,8 +374,14 @@ class SmartUpdater:
         wire_dtype: torch.dtype,
         grads_on_device: bool,
         compressor: TopKCompressor | None = None,
+        precision: str = quant8.FP32,
     ) -> None:
         self.rule = rule
+        self.precision = precision
+        """Of the optimizer state in the devices' files (``offload.state_precision``)."""
+        if precision != quant8.FP32 and compressor is not None and compressor.cfg.catch_up:
+            raise ConfigError(f"offload.state_precision={precision} with compression.catch_up=true: the catch-up "
+                              "kernel keeps fp32 state; set compression.catch_up=false or offload.state_precision=fp32")
         self.compressor = compressor
         self.grads_on_device = grads_on_device
         self.counters = counters
@@ -369,16 +390,19 @@ class SmartUpdater:
         self.outbox: queue.Queue[Outbound] = queue.Queue()
         owned = [0] * len(specs)
         for sg in layout.subgroups:
-            owned[sg.index % len(specs)] += align_up(sg.numel * 4) * (1 + len(rule.states) + grads_on_device)
+            state = align_up(quant8.payload(sg.numel, precision)) * len(rule.states)
+            owned[sg.index % len(specs)] += align_up(sg.numel * 4) * (1 + grads_on_device) + state
         for k, spec in enumerate(specs):
             directory = Path(spec.path).expanduser().resolve() if spec.path else root / device_link(k)
             store = make_store(directory, device_link(k), owned[k])
             compression = compressor.cfg if compressor is not None else None
             self.devices.append(NearStorageDevice(k, spec, directory, rule, store, layout.max_subgroup_numel,
-                                                  wire_dtype, compression, self.outbox))  # fmt: skip
+                                                  wire_dtype, compression, self.outbox, precision))  # fmt: skip
         self._routes = {sg.key: self.owner(sg).host_view for sg in layout.subgroups}
         wire = "fp32" if wire_dtype == torch.float32 else str(wire_dtype).replace("torch.", "")
-        self.name = f"smart ({len(self.devices)} OpenCL device(s): {self.devices[0].device.name}; {wire} on the wire)"
+        eight = "; 8-bit state" if precision == quant8.INT8 else ""
+        self.name = (f"smart ({len(self.devices)} OpenCL device(s): {self.devices[0].device.name}; {wire} on the "
+                     f"wire{eight})")  # fmt: skip
         if compressor is not None:
             self.name += f"; SmartComp {compressor.describe()}"
 

@@ -192,8 +192,9 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks_as_an_uninterrupted_run
     each resume re-cuts every rank's state from the saved ranks' files (engine/relayout.py) and re-counts
     Lightning's batch counters (lightning/loop_state.py). Equal to an uninterrupted 2-rank run in fp32 (the order of
     the gradient sums differs: 1e-5); SGD with momentum, linear in the gradient, as in the equalities above
-    (tests/engine/test_relayout.py re-cuts every state kind element by element); the momentum in 8 bits too. Saves fall on epochs' ends: the
-    plain DataLoader here restarts its epoch on resume (smartinf-train's loader resumes mid-epoch, in samples)."""
+    (tests/engine/test_relayout.py re-cuts every state kind element by element); the momentum in 8 bits too. Saves
+    fall on epochs' ends: the plain DataLoader here restarts its epoch on resume (smartinf-train's loader resumes
+    mid-epoch, in samples)."""
     extra = ELASTIC[case]
     run(tmp_path / "straight", *ranks(2), "--steps", 10, *extra)
     run(tmp_path / "chain", *ranks(2), "--steps", 4, "--save", *extra)

@@ -171,3 +171,55 @@ def test_a_misspelled_precision_is_refused_naming_the_key_and_the_choices() -> N
 
     with pytest.raises(ConfigError, match=r"offload.state_precision='int8' is not one of fp32, 8bit"):
         OffloadConfig(state_precision="int8")
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_the_device_kernels_quantize_as_the_host(signed: bool) -> None:
+    """fpga_kernels/quant8.cl on an OpenCL device against the host's codes, absmax values and widened values."""
+    cl = pytest.importorskip("pyopencl")
+    from lightning_smartinf.update.device_state import DeviceQuantizer
+    from lightning_smartinf.update.opencl import DeviceSpec, open_device
+
+    device, context, _ = open_device(DeviceSpec(), torch.float32, torch.float32)
+    quantizer = DeviceQuantizer(cl, context, device)
+    queue = cl.CommandQueue(context)
+    torch.manual_seed(2)
+    numel = 2 * BLOCK + 999
+    x = torch.randn(numel) * torch.logspace(-9, 1, numel)
+    x = x if signed else x.abs()
+    kind = "exp_avg" if signed else "exp_avg_sq"
+    host = aligned_bytes(quant8.payload(numel, quant8.INT8))
+    quant8.quantize(x, signed, host)
+    flags = cl.mem_flags
+    wide = cl.Buffer(context, flags.READ_WRITE | flags.COPY_HOST_PTR, hostbuf=x.numpy())
+    raw = cl.Buffer(context, flags.READ_WRITE, host.numel())
+    quantizer.narrow(queue, wide, raw, kind, numel).wait()
+    got = torch.empty(host.numel(), dtype=torch.uint8)
+    cl.enqueue_copy(queue, got.numpy(), raw)
+    size = quant8.payload(numel, quant8.INT8)
+    differ = (got[:size] != host[:size]).nonzero().flatten()
+    assert not len(differ), (device.name, differ[:8].tolist(), got[differ[:8]].tolist(), host[differ[:8]].tolist())
+    quantizer.widen(queue, raw, wide, kind, numel, None)
+    back = torch.empty(numel)
+    cl.enqueue_copy(queue, back.numpy(), wide)
+    queue.finish()
+    expected = torch.empty(numel)
+    quant8.dequantize(host, numel, signed, expected)
+    assert torch.equal(back, expected)
+
+
+def test_smart_update_with_8bit_state_equals_the_host_update(smart) -> None:  # noqa: ANN001
+    """The same run with 8-bit state on 2 near-storage devices and on the host: the state files hold the quantized
+    bytes on the devices' directories, and the weights agree as SmartUpdate's fp32 ones do (1e-6)."""
+    from helpers import fit, make_module, relative_error
+
+    settings = {"precision": "32-true", "gradient_clip_val": 0.5}
+    host = make_module("adamw", lr=1e-3)
+    fit(host, smart(nvme_path=smart.root / "host", state_precision="8bit"), **settings)
+    on_devices = smart(nvme_path=smart.root / "dev", state_precision="8bit", update={"backend": "smart", "devices": 2})
+    device = fit(make_module("adamw", lr=1e-3), on_devices, **settings)
+    assert "8-bit state" in device.strategy.engine.updater.name
+    assert relative_error(device.strategy.consolidated_state_dict(), host) < 1e-6
+    state = next((smart.root / "dev").rglob("exp_avg/sg000000"))
+    numel = next(sg.numel for sg in device.strategy.engine.layout.subgroups if sg.key == "sg000000")
+    assert state.stat().st_size == -(-quant8.payload(numel, quant8.INT8) // 4096) * 4096

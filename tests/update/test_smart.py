@@ -162,9 +162,10 @@ def test_device_buffers_are_page_locked_and_freed_at_close(smart) -> None:
 def test_every_kernel_argument_table_matches_its_signature() -> None:
     """The host's named tables are the kernels' signatures (NamedKernel refuses to build otherwise)."""
     from lightning_smartinf.update.arguments import KERNEL_ARGUMENTS
-    from lightning_smartinf.update.opencl import KERNEL_SOURCE, SPARSE_SOURCE, kernel_signatures
+    from lightning_smartinf.update.opencl import KERNEL_SOURCE, QUANT_SOURCE, SPARSE_SOURCE, kernel_signatures
 
-    declared = {**kernel_signatures(KERNEL_SOURCE), **kernel_signatures(SPARSE_SOURCE)}
+    declared = {**kernel_signatures(KERNEL_SOURCE), **kernel_signatures(SPARSE_SOURCE),
+                **kernel_signatures(QUANT_SOURCE)}  # fmt: skip
     assert declared == KERNEL_ARGUMENTS
 
 
