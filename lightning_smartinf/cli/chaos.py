@@ -21,8 +21,9 @@ first), accumulating ``max / M`` batches on ``M`` ranks so the global batch stay
 state for another rank count (engine/relayout.py). The sums of a batch's gradient then run in another order, so a
 chain is compared within ``--tolerance`` (max relative difference per tensor, 1e-4 by default), not bit for bit: in
 fp32 with SGD, uninterrupted runs of the default recipe on 2 ranks and on 1 rank accumulating 2 batches already
-differ by 1.3e-5 at step 40 (the order's rounding, grown by training; AdamW's normalisation and bf16's rounding of
-split batches amplify it), while a restore that loses anything (a batch, a moment) moves the weights by 1e-3 or more.
+differ by 1.3e-5 at step 40, the order's rounding grown by training, and how much training grows it depends on when
+it enters (a 1.9e-6 difference at step 12 is 2.4e-3 at step 60: docs/checkpoints.md). AdamW's normalisation and
+bf16's rounding of split batches grow it more.
 
 Reported: kills (by what the run was doing), resumes (restarts that found a checkpoint), exact (chains whose final
 fp32 weights equal the reference's bit for bit), lost (kills after which the newest intact checkpoint was older
