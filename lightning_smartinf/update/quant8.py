@@ -9,7 +9,7 @@ momentum), the unsigned one, which spends the sign bit on one more fraction bit,
 (Adam's second moment, Adagrad's sum). Both hold 0 and 1 exactly, so a block's largest element round-trips.
 
 The work runs in a small C++ kernel (``quant8.cpp``, compiled on first use like DeepSpeed's ops, on torch's
-intra-op threads); where it cannot be built, the same arithmetic in torch ops (about 50x slower), with a warning.
+intra-op threads); where it cannot be built, the same arithmetic in torch ops (about 25x slower), with a warning.
 
 A state file of ``n`` elements holds the ``n`` codes (uint8), padded to 4 bytes, then ``ceil(n / BLOCK)`` absmax
 values (fp32). ``BLOCK`` divides the 2048-element subgroup alignment, so blocks never straddle two subgroups.
