@@ -128,17 +128,19 @@ def layout_record(engine: Stateful) -> dict[str, Any]:
     fixed = engine.frozen_layout
     frozen = [[s.name, list(s.shape)] for b in fixed.streamed for s in b.slots]
     merges = [[m.base, m.lora_a, m.lora_b, m.scaling, m.transpose] for m in lora_merges(engine.model)]
-    extra: dict[str, Any] = {"frozen": frozen, "frozen_layout": {**_blocks_record(fixed), "dtype": _frozen_dtype(
+    extra: dict[str, Any] = {"frozen": frozen, "frozen_layout": {**blocks_record(fixed), "dtype": _frozen_dtype(
         engine)}} if frozen else {}  # fmt: skip
     return {
-        **_blocks_record(engine.layout),
+        **blocks_record(engine.layout),
         "aliases": parameter_aliases(engine.model),
         **extra,
         **({"merges": merges} if merges else {}),
     }
 
 
-def _blocks_record(layout: Layout) -> dict[str, Any]:
+def blocks_record(layout: Layout) -> dict[str, Any]:
+    """A layout's blocks (each parameter's name, offset, size and shape) and subgroups as plain data: what a
+    checkpoint records of each rank's layout, and what engine/relayout.py re-cuts from."""
     return {
         "blocks": [{"name": b.name, "numel": b.numel, "params": [[s.name, s.offset, s.numel, list(s.shape)]
                                                                  for s in b.slots]} for b in layout.blocks],

@@ -15,6 +15,7 @@ from lightning_smartinf.checkpoint.manifest import CheckpointError
 from lightning_smartinf.core import Layout
 from lightning_smartinf.engine.layout import build_layout
 from lightning_smartinf.engine.relayout import SavedLayout, mappable
+from lightning_smartinf.engine.snapshot import blocks_record
 from lightning_smartinf.models.gpt import GPT
 from lightning_smartinf.schedule.horizontal import find_blocks
 from lightning_smartinf.update import quant8
@@ -29,15 +30,6 @@ def layouts(world: int, subgroup_size: int) -> list[Layout]:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     return [build_layout(model, find_blocks(model), [decay, rest], subgroup_size, rank, world) for rank in range(world)]
-
-
-def record(layout: Layout) -> dict[str, Any]:
-    """The layout as a checkpoint's manifest records it (engine/snapshot.py: layout_record)."""
-    return {
-        "blocks": [{"name": b.name, "numel": b.numel, "params": [[s.name, s.offset, s.numel, list(s.shape)]
-                                                                 for s in b.slots]} for b in layout.blocks],
-        "subgroups": [[sg.key, sg.block, sg.param_group, sg.offset, sg.numel] for sg in layout.subgroups],
-    }  # fmt: skip
 
 
 def tag(kind: int, block: int, start: int, numel: int) -> np.ndarray:
@@ -56,7 +48,7 @@ def save(root: Path, saved: list[Layout], stripes: int) -> list[tuple[Path, dict
                 target.parent.mkdir(parents=True, exist_ok=True)
                 data = tag(k, sg.block, sg.offset, sg.numel).tobytes()
                 target.write_bytes(data + b"\0" * (-len(data) % 4096))
-        parts.append((part, record(layout)))
+        parts.append((part, blocks_record(layout)))
     return parts
 
 
@@ -105,9 +97,9 @@ def test_a_kind_saved_by_no_rank_is_none_and_a_missing_piece_is_named(tmp_path: 
 
 
 def test_a_layout_of_another_model_is_not_mappable() -> None:
-    mine = record(layouts(1, 4096)[0])
-    assert mappable(record(layouts(2, 2048)[0]), mine) == []
-    other = record(layouts(1, 4096)[0])
+    mine = blocks_record(layouts(1, 4096)[0])
+    assert mappable(blocks_record(layouts(2, 2048)[0]), mine) == []
+    other = blocks_record(layouts(1, 4096)[0])
     other["blocks"][1]["params"][0][1] += 2048
     assert mappable(other, mine) == [f"block {other['blocks'][1]['name']!r} lays out its parameters otherwise "
                                      "(another parameter order or param groups)"]  # fmt: skip
@@ -131,7 +123,7 @@ def test_8bit_state_is_recut_code_by_code_and_block_by_block(saved_world: int, w
             target = tmp_path / f"rank{rank}" / "state0" / "exp_avg" / sg.key
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(quantized(sg.block, sg.offset, sg.numel))
-    saved = SavedLayout([(tmp_path / f"rank{r}", record(layout)) for r, layout in
+    saved = SavedLayout([(tmp_path / f"rank{r}", blocks_record(layout)) for r, layout in
                          enumerate(layouts(saved_world, 4096))])  # fmt: skip
     for layout in layouts(world, size):
         for sg in layout.subgroups:
