@@ -19,14 +19,16 @@ killed); every rank then restarts from the checkpoint.
 With ``--world-sizes 2 1`` each restart runs on the next rank count of the list in turn (the reference on the
 first), accumulating ``max / M`` batches on ``M`` ranks so the global batch stays the same: every resume re-cuts the
 state for another rank count (engine/relayout.py). The sums of a batch's gradient then run in another order, so a
-chain is compared within ``--tolerance`` (max relative difference per tensor, 1e-4 by default), not bit for bit: in
-fp32 with SGD, uninterrupted runs of the default recipe on 2 ranks and on 1 rank accumulating 2 batches already
-differ by 1.3e-5 at step 40, the order's rounding grown by training, and how much training grows it depends on when
-it enters (a 1.9e-6 difference at step 12 is 2.4e-3 at step 60: docs/checkpoints.md). AdamW's normalisation and
-bf16's rounding of split batches grow it more.
+chain cannot equal the single-rank-count reference bit for bit; instead each chain is replayed without kills: the
+same rank counts over the same steps, each leg run to the step the chain's next leg resumed from (a clean stop and
+resume). A chain is exact when its final weights equal its replay's bit for bit: the kills lost nothing and the
+re-cut restores are deterministic. Reported beside: each chain's largest relative difference from the reference,
+and how far an uninterrupted run on each other rank count ends from it (the order's rounding grown by training; a
+1.9e-6 difference at step 12 is 2.4e-3 at step 60 with SGD at lr 0.05: docs/checkpoints.md).
 
-Reported: kills (by what the run was doing), resumes (restarts that found a checkpoint), exact (chains whose final
-fp32 weights equal the reference's bit for bit), lost (kills after which the newest intact checkpoint was older
+Reported: kills (``--kills`` of them land: restarts that finish before their kill time do not count), resumes
+(restarts that found a checkpoint), exact (chains whose final fp32 weights equal the reference's, or with
+``--world-sizes`` their replay's, bit for bit), lost (kills after which the newest intact checkpoint was older
 than before), corrupt (published checkpoints that fail verification, plus checkpoints a resume had to skip).
 Needs no GPU; not part of the test suite (minutes).
 """
@@ -65,7 +67,8 @@ class ChaosReport:
     chains: int = 0
     """Runs from a fresh start to the last step, each through any number of kills and resumes."""
     exact_chains: int = 0
-    """Chains whose final fp32 weights equal the uninterrupted run's bit for bit."""
+    """Chains whose final fp32 weights equal the uninterrupted run's (``--world-sizes``: their replay's) bit for
+    bit."""
     lost: int = 0
     corrupt: int = 0
     skipped: int = 0
@@ -84,14 +87,19 @@ class ChaosReport:
     """``--world-sizes``: the rank count of each run after the reference, in order (0: not chosen by chaos)."""
     differences: list[float] = field(default_factory=list)
     """Each chain's largest relative difference from the reference over its tensors (0.0: bit for bit)."""
+    legs: list[list[int]] = field(default_factory=list)
+    """``--world-sizes``: each chain's replayed legs, as the rank count of each and the step it ran to."""
+    spread: dict[str, float] = field(default_factory=dict)
+    """``--world-sizes``: by rank count, how far an uninterrupted run on it ends from the reference."""
 
 
 def train_command(out: Path, state: Path, steps: int, every: int, extra: list[str], resume: bool,
-                  world: tuple[int, int] | None = None) -> list[str]:  # fmt: skip
-    """``world``: (ranks, batches each accumulates per step) where the run's rank count is chosen for it."""
+                  world: tuple[int, int] | None = None, stop: int | None = None) -> list[str]:  # fmt: skip
+    """``world``: (ranks, batches each accumulates per step) where the run's rank count is chosen for it; ``stop``:
+    the step to stop at, where not ``steps`` (a replay's leg; validation stays where ``steps`` puts it)."""
     ranks = [f"trainer.devices={world[0]}", f"trainer.accumulate_grad_batches={world[1]}"] if world else []
-    cmd = [sys.executable, "-m", "lightning_smartinf.cli.train", f"hydra.run.dir={out}",
-           f"offload.nvme_path={state}", f"trainer.max_steps={steps}", f"trainer.checkpoint_every_n_steps={every}",
+    cmd = [sys.executable, "-m", "lightning_smartinf.cli.train", f"hydra.run.dir={out}", f"offload.nvme_path={state}",
+           f"trainer.max_steps={stop or steps}", f"trainer.checkpoint_every_n_steps={every}",
            f"trainer.val_check_interval={steps}", "trainer.limit_val_batches=1", *extra, *ranks]  # fmt: skip
     return [*cmd, f"trainer.resume={out / 'checkpoints'}"] if resume else cmd
 
@@ -116,12 +124,52 @@ def chain_difference(expected: dict[str, torch.Tensor], got: dict[str, torch.Ten
 
 
 def check_chain(report: ChaosReport, expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor],
-                tolerance: float) -> None:  # fmt: skip
-    """Count a finished chain: exact when bit for bit (``tolerance`` 0) or each tensor within ``tolerance``."""
-    difference = chain_difference(expected, got)
+                replayed: dict[str, torch.Tensor] | None = None) -> None:  # fmt: skip
+    """Count a finished chain: exact when bit for bit equal to the reference, or to its ``replayed`` legs."""
     report.chains += 1
-    report.differences.append(difference)
-    report.exact_chains += difference <= tolerance
+    report.differences.append(chain_difference(expected, got))
+    report.exact_chains += chain_difference(expected if replayed is None else replayed, got) == 0.0
+
+
+def replay_legs(legs: list[tuple[int, int]], steps: int) -> list[tuple[int, int]]:
+    """A chain's runs as (index in the rank plan, step it resumed from; -1: a fresh start), in order, to the legs
+    that moved it on: (index in the rank plan, step the next run resumed from, or ``steps`` for the last)."""
+    moved = []
+    for i, (world, start) in enumerate(legs):
+        stop = legs[i + 1][1] if i + 1 < len(legs) else steps
+        if stop > max(start, 0):
+            moved.append((world, stop))
+    return moved
+
+
+def replay(root: Path, legs: list[tuple[int, int]], plan: list[tuple[int, int]], steps: int, every: int,
+           extra: list[str]) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Run a chain's legs without kills, each stopping at its step and the next resuming there on its own rank
+    count: the final weights the chain must equal bit for bit."""
+    out, state = root / "replay", root / "replay_state"
+    for directory in (out, state):
+        shutil.rmtree(directory, ignore_errors=True)
+    for i, (world, stop) in enumerate(legs):
+        log_path = root / f"replay{len(list(root.glob('replay*.log'))):02d}.log"
+        with log_path.open("w") as log:
+            cmd = train_command(out, state, steps, every, extra, resume=i > 0, world=plan[world], stop=stop)
+            if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode != 0:
+                raise SystemExit(f"smartinf-chaos: a replay run failed: {log_path}")
+    return final_weights(out, steps)
+
+
+def spread(root: Path, plan: list[tuple[int, int]], expected: dict[str, torch.Tensor], steps: int, every: int,
+           extra: list[str]) -> dict[str, float]:  # fmt: skip
+    """How far an uninterrupted run on each other rank count of the plan ends from the reference."""
+    found = {}
+    for world in sorted(set(plan[1:]) - {plan[0]}):
+        out = root / f"uninterrupted{world[0]}"
+        with (root / f"uninterrupted{world[0]}.log").open("w") as log:
+            cmd = train_command(out, root / f"uninterrupted{world[0]}_state", steps, every, extra, False, world)
+            if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode != 0:
+                raise SystemExit(f"smartinf-chaos: the uninterrupted run on {world[0]} rank(s) failed: {log.name}")
+        found[str(world[0])] = chain_difference(expected, final_weights(out, steps))
+    return found
 
 
 def relative_difference(expected: torch.Tensor, got: torch.Tensor) -> float:
@@ -208,10 +256,9 @@ def kill_all_ranks(proc: subprocess.Popen[bytes]) -> None:
 
 
 def campaign(root: Path, kills: int, steps: int, every: int, extra: list[str], seed: int, kill_rank: bool = False,
-             peer_timeout: float = 120.0, world_sizes: list[int] | None = None,
-             tolerance: float = 0.0) -> ChaosReport:  # fmt: skip
-    """``world_sizes``: each restart on the next rank count in turn (the reference on the first); chains are then
-    compared within ``tolerance``."""
+             peer_timeout: float = 120.0, world_sizes: list[int] | None = None) -> ChaosReport:  # fmt: skip
+    """``world_sizes``: each restart on the next rank count in turn (the reference on the first); each chain is
+    then compared with its replay."""
     report = ChaosReport()
     plan = rank_plan(world_sizes) if world_sizes else None
     restarts = 0
@@ -232,22 +279,39 @@ def campaign(root: Path, kills: int, steps: int, every: int, extra: list[str], s
     training_s = report.reference_s - report.startup_s
     expected = final_weights(root / "reference", steps)
     out, state, ckpts = root / "chaos", root / "chaos_state", root / "chaos" / "checkpoints"
-    for attempt in range(kills + 1):
+    legs: list[tuple[int, int]] = []
+
+    def finish_chain() -> None:
+        replayed = None
+        if plan:
+            moved = replay_legs(legs, steps)
+            report.legs.append([v for world, stop in moved for v in (plan[world][0], stop)])
+            replayed = replay(root, moved, plan, steps, every, extra)
+        check_chain(report, expected, final_weights(out, steps), replayed)
+        legs.clear()
+
+    attempt = 0
+    while True:
         before = newest_step(ckpts)
         if before == steps:  # this chain of runs got to the end: check it, then start a new chain
-            check_chain(report, expected, final_weights(out, steps), tolerance)
+            finish_chain()
             for directory in (out, state):
                 shutil.rmtree(directory)
             before = -1
+        if attempt > 3 * kills:
+            raise SystemExit(f"smartinf-chaos: {attempt} restarts landed only {report.kills} of {kills} kills: the "
+                             "runs are too short for their kill times (more --steps)")  # fmt: skip
         log_path = root / f"attempt{attempt:02d}.log"
+        attempt += 1
         with log_path.open("w") as log:
             world = plan[restarts % len(plan)] if plan else None
+            legs.append((restarts % len(plan) if plan else 0, before))
             restarts += 1
             report.world_sizes.append(world[0] if world else 0)
             proc = subprocess.Popen(train_command(out, state, steps, every, extra, resume=before >= 0, world=world),
                                     stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
             report.resumes += before >= 0
-            if attempt == kills:
+            if report.kills == kills:
                 if proc.wait() != 0:
                     raise SystemExit(f"smartinf-chaos: the last restart failed: {log_path}")
                 break
@@ -278,7 +342,9 @@ def campaign(root: Path, kills: int, steps: int, every: int, extra: list[str], s
     for log_path in sorted(root.glob("attempt*.log")):
         report.skipped += len(re.findall(r"skipping .*newer than any intact checkpoint", log_path.read_text()))
     report.corrupt = count_corrupt(ckpts) + report.skipped
-    check_chain(report, expected, final_weights(out, steps), tolerance)
+    finish_chain()
+    if plan:
+        report.spread = spread(root, plan, expected, steps, every, extra)
     return report
 
 
@@ -295,16 +361,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="--kill-rank: seconds the other ranks have to stop on their own")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=None,
                         help="resume each restart on the next of these rank counts in turn (e.g. 2 1)")
-    parser.add_argument("--tolerance", type=float, default=None,
-                        help="max relative difference of a chain's weights (default: 0, bit for bit; 1e-4 with "
-                             "--world-sizes)")
     parser.add_argument("overrides", nargs="*", help="smartinf-train overrides for every run (after --)")
     args = parser.parse_args(argv)
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)
-    tolerance = args.tolerance if args.tolerance is not None else (1e-4 if args.world_sizes else 0.0)
     report = campaign(args.out.absolute(), args.kills, args.steps, args.every, args.overrides, args.seed,
-                      args.kill_rank, args.peer_timeout, args.world_sizes, tolerance)
+                      args.kill_rank, args.peer_timeout, args.world_sizes)
     phases = ", ".join(f"{k} {v}" for k, v in sorted(report.phases.items()))
     print("| kills | during | resumes | exact | lost | corrupt |\n|---|---|---|---|---|---|")
     print(f"| {report.kills} | {phases} | {report.resumes} | {report.exact_chains}/{report.chains} runs | "
@@ -313,8 +375,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"ranks killed: {dict(sorted(report.ranks_killed.items()))}; the others stopped on their own after "
               f"{report.kills - report.hung} of {report.kills} kills")  # fmt: skip
     if args.world_sizes:
-        print(f"rank counts of the runs after the reference: {report.world_sizes}; chains compared within a max "
-              f"relative difference of {tolerance:g}; each chain's: {[f'{d:.2g}' for d in report.differences]}")
+        print(f"rank counts of the runs after the reference: {report.world_sizes}; exact: equal to a replay of the "
+              f"chain's legs without kills (rank count, step reached: {report.legs}); each chain's largest relative "
+              f"difference from the uninterrupted {args.world_sizes[0]}-rank run: "
+              f"{[f'{d:.2g}' for d in report.differences]}; uninterrupted runs on the other rank counts end "
+              f"{ {k: f'{v:.2g}' for k, v in report.spread.items()} } from it")
     print(f"reference run {report.reference_s:.1f} s ({report.startup_s:.1f} s start-up); newest intact checkpoint "
           f"after each kill: steps {report.steps_at_kill}; logs: {args.out}/attempt*.log")  # fmt: skip
     if args.json:
