@@ -67,8 +67,10 @@ class HostUpdater:
         self.rule = rule
         self.precision = precision
         """Of the optimizer state (``offload.state_precision``): ``fp32``, or ``8bit`` (block-wise quantized)."""
-        self._wide = {s.kind: torch.empty(max_subgroup_numel) for s in rule.states} if precision == quant8.INT8 else {}
-        """8-bit state widened to fp32 for the update's math (the update runs on one thread, a subgroup at a time)."""
+        self._max_numel = max_subgroup_numel
+        self._wide: dict[str, torch.Tensor] = {}
+        """8-bit state widened to fp32 for torch's math, where the fused kernel is not built (made at first use; the
+        update runs on one thread, a subgroup at a time)."""
         self.store = store
         self.lookahead = lookahead
         self.adam_kernel = adam_kernel
@@ -76,7 +78,9 @@ class HostUpdater:
         # in flight: `lookahead` being read, one updating, one being written back
         self.pool = BufferPool((lookahead + 2) * kinds_per_sg, max_subgroup_numel * 4, allocator=store.allocator)
         kernel = "deepspeed cpu_adam" if adam_kernel and rule.name in ("adam", "adamw") else f"torch {rule.name}"
-        self.name = f"host ({kernel}{', 8-bit state' if precision == quant8.INT8 else ''})"
+        if precision == quant8.INT8:
+            kernel = f"{rule.name} fused with 8-bit state" if quant8.kernel() else f"torch {rule.name}, 8-bit state"
+        self.name = f"host ({kernel})"
 
     @property
     def host_bytes(self) -> int:
@@ -125,6 +129,8 @@ class HostUpdater:
         if self.precision == quant8.FP32:
             return {kind: loaded.tensor(kind) for kind in self.rule.state_kinds}
         numel = loaded.sg.numel
+        if not self._wide:
+            self._wide = {spec.kind: torch.empty(self._max_numel) for spec in self.rule.states}
         wide = {spec.kind: self._wide[spec.kind][:numel] for spec in self.rule.states}
         for spec in self.rule.states:
             if first_step:
@@ -137,6 +143,11 @@ class HostUpdater:
         hyper = ctx.hyper[loaded.sg.param_group]
         ctx.prepare(grad)
         master = loaded.tensor(MASTER)
+        if self.precision == quant8.INT8:
+            quantized = {kind: loaded.raw[kind] for kind in self.rule.state_kinds}
+            inits = {spec.kind: spec.init for spec in self.rule.states}
+            if quant8.fused_step(self.rule, master, grad, quantized, hyper, ctx.step, inits):
+                return
         state = self._state(loaded, ctx.step == 1)
         self._math(master, grad, state, hyper, ctx)
         if self.precision == quant8.INT8:

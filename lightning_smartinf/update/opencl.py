@@ -21,7 +21,7 @@ from lightning_smartinf.resources import asset_dir
 KERNEL_SOURCE = "optimizers.cl"
 SPARSE_SOURCE = "sparse.cl"
 QUANT_SOURCE = "quant8.cl"
-"""8-bit optimizer state: built with correctly rounded division, so it quantizes exactly as the host does."""
+"""8-bit optimizer state's kernels (update/device_state.py)."""
 _SIGNATURE = re.compile(r"__kernel\s+void\s+(\w+)\s*\(([^)]*)\)")
 
 
@@ -170,10 +170,10 @@ def build_program(context: Any, device: Any, grad_dtype: torch.dtype, param_dtyp
     ``grad_dtype``)."""
     import pyopencl as cl
 
+    # correctly rounded division and square root, as the host's: with 8-bit state the host's fused update
+    # (update/quant8.cpp) and the device's kernels then write the same bytes
     options = [f"-DGRAD_FORMAT={FORMATS[grad_dtype]}", f"-DPARAM_FORMAT={FORMATS[param_dtype]}",
-               f"-DVALUE_FORMAT={FORMATS[grad_dtype]}"]  # fmt: skip
-    if source_name == QUANT_SOURCE:
-        options.append("-cl-fp32-correctly-rounded-divide-sqrt")
+               f"-DVALUE_FORMAT={FORMATS[grad_dtype]}", "-cl-fp32-correctly-rounded-divide-sqrt"]  # fmt: skip
     if binary is not None:
         data = Path(binary).read_bytes()
         try:

@@ -10,6 +10,8 @@ momentum), the unsigned one, which spends the sign bit on one more fraction bit,
 
 The work runs in a small C++ kernel (``quant8.cpp``, compiled on first use like DeepSpeed's ops, on torch's
 intra-op threads); where it cannot be built, the same arithmetic in torch ops (about 25x slower), with a warning.
+The kernel also runs the host update fused (``fused_step``): each block widened, stepped with the device kernels'
+math and quantized again while in cache, so the host and SmartUpdate write the same bytes.
 
 A state file of ``n`` elements holds the ``n`` codes (uint8), padded to 4 bytes, then ``ceil(n / BLOCK)`` absmax
 values (fp32). ``BLOCK`` divides the 2048-element subgroup alignment, so blocks never straddle two subgroups.
@@ -22,9 +24,12 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from lightning_smartinf.ops import clear_stale_lock, extension_build_directory
+from lightning_smartinf.update.arguments import kernel_scalars
+from lightning_smartinf.update.optimizers import OptimizerRule
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +105,8 @@ def kernel() -> Any:
     if not any(directory.glob(f"{KERNEL}*.so")):
         log.info("compiling the 8-bit state kernel in %s (first use only; about a minute)", directory)
     try:
-        return load(KERNEL, [str(Path(__file__).with_name("quant8.cpp"))], extra_cflags=["-O3", "-ffp-contract=off"],
-                    verbose=False)  # fmt: skip
+        return load(KERNEL, [str(Path(__file__).with_name("quant8.cpp"))], verbose=False,
+                    extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"])  # fmt: skip
     except (OSError, RuntimeError, ImportError) as err:  # no compiler, or it failed
         log.warning("the 8-bit state kernel did not build (%s): quantizing with torch ops instead, much slower", err)
         return None
@@ -191,3 +196,35 @@ def quantize(values: torch.Tensor, signed: bool, raw: torch.Tensor) -> None:
     high = (low + 1).clamp_(max=255)
     nearer_low = (y - table[low]) <= (table[high] - y)
     codes.copy_(torch.where(nearer_low, low, high).to(torch.uint8))
+
+
+def _map(signed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """A map and its bucket tables, as the kernel takes them."""
+    direct, below, offset = buckets(signed)
+    return dynamic_map(signed), direct, below, offset
+
+
+def fused_step(rule: OptimizerRule, master: torch.Tensor, grad: torch.Tensor, raw: dict[str, torch.Tensor],
+               hyper: dict[str, Any], step: int, init: dict[str, float]) -> bool:  # fmt: skip
+    """One subgroup's update with its 8-bit state tensors (``raw``, by kind) in one pass of the kernel, with the
+    device kernels' arithmetic and scalars (fpga_kernels/optimizers.cl): False where the kernel is not built (the
+    caller widens, steps and quantizes in three passes instead). ``grad`` is unscaled and clipped already."""
+    compiled = kernel()
+    if compiled is None:
+        return False
+    numel = master.numel()
+    grad = grad.to(torch.float32).contiguous()
+    parts = {}
+    for kind, buffer in raw.items():
+        buffer[numel : codes_bytes(numel)].zero_()  # the padding before the absmax values: files equal run to run
+        parts[kind] = split(buffer, numel)
+    scalars = [float(x) if not isinstance(x, np.integer) else bool(x) for x in kernel_scalars(rule, hyper, step)]
+    first = step == 1
+    if rule.name in ("adam", "adamw"):
+        compiled.adam8(master, grad, *parts["exp_avg"], *parts["exp_avg_sq"], *_map(True), *_map(False),
+                       BUCKET_SHIFT, first, *scalars)  # fmt: skip
+    elif rule.name == "sgd":
+        compiled.sgd8(master, grad, *parts["momentum_buffer"], *_map(True), BUCKET_SHIFT, first, *scalars[:5])
+    else:
+        compiled.adagrad8(master, grad, *parts["sum"], *_map(False), BUCKET_SHIFT, first, init["sum"], *scalars)
+    return True

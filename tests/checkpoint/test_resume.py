@@ -27,7 +27,7 @@ CASES = {
         "kind": "vertical", "micro_batches": 2, "overlap": 0.5}}, "bf16-mixed"),
     "smart-8bit-state": ({"update": {"backend": "smart", "devices": 2}, "offload": {"state_precision": "8bit"}},
                          "bf16-mixed"),
-    "host-8bit-state-on-disk-deepspeed-adam-vertical": ({"update": {"host_adam": "deepspeed"}, "offload": {
+    "host-8bit-state-on-disk-vertical": ({"update": {"host_adam": "deepspeed"}, "offload": {
         "state_precision": "8bit", "host_memory_budget": "0"}, "schedule": {"kind": "vertical", "micro_batches": 2}},
         "bf16-mixed"),
 }  # fmt: skip
@@ -99,7 +99,7 @@ def test_resume_with_another_configuration_names_what_differs(tmp_path: Path) ->
 
 
 def test_resume_with_another_state_precision_is_refused(tmp_path: Path) -> None:
-    settings, precision = CASES["host-8bit-state-on-disk-deepspeed-adam-vertical"]
+    settings, precision = CASES["host-8bit-state-on-disk-vertical"]
     train(tmp_path / "first", 2, settings, precision)
     checkpoint = latest_checkpoint(tmp_path / "first" / "ckpts")
     with pytest.raises(ConfigError, match=r"offload.state_precision=8bit \(this run: fp32; a resume keeps"):
