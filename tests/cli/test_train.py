@@ -58,7 +58,7 @@ def test_unknown_recipe_is_a_hydra_error(tmp_path: Path) -> None:
     assert done.returncode != 0 and "gpt_9000b" in done.stderr
 
 
-def test_two_ranks_train_checkpoint_and_resume(tmp_path: Path) -> None:
+def test_two_ranks_train_checkpoint_and_resume_on_one(tmp_path: Path) -> None:
     cmd = [
         sys.executable, "-m", "lightning_smartinf.cli.train", "trainer.devices=2", "trainer.max_steps=4",
         "trainer.limit_val_batches=2", "data.batch_size=4", f"offload.nvme_path={tmp_path / 'state'}",
@@ -72,10 +72,12 @@ def test_two_ranks_train_checkpoint_and_resume(tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["rank0", "rank1"]
     assert sorted(p.name for p in (Path(summary["checkpoint"]) / "offload").iterdir()) == ["rank0", "rank1"]
 
-    resume = [*cmd[:4], "trainer.max_steps=6", *cmd[5:], f"trainer.output_dir={tmp_path / 'resumed'}",
-              f"trainer.resume={summary['checkpoint']}"]  # fmt: skip
+    # on one rank, accumulating the other rank's batch: the state re-cut from both ranks' files
+    resume = [*cmd[:3], "trainer.devices=1", "trainer.accumulate_grad_batches=2", "trainer.max_steps=6", *cmd[5:],
+              f"trainer.output_dir={tmp_path / 'resumed'}", f"trainer.resume={summary['checkpoint']}"]  # fmt: skip
     done = subprocess.run(resume, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "from a checkpoint of 2 rank(s), re-partitioned onto 1" in done.stdout + done.stderr
     resumed = json.loads(next((tmp_path / "resumed").glob("*/summary.json")).read_text())
     assert resumed["summary"]["optimizer_steps"] == 2 and Path(resumed["checkpoint"]).name == "step6.ckpt"
 

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,22 @@ def max_relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     return max(float((a[k] - b[k]).abs().max() / a[k].abs().max()) for k in a)
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """The one-process runs (batch 8) that 2-rank runs are compared with, each run once for the module: by its
+    extra arguments."""
+    done: dict[tuple[str, ...], Path] = {}
+
+    def reference(*extra: Any) -> Path:
+        key = tuple(map(str, extra))
+        if key not in done:
+            done[key] = tmp_path_factory.mktemp("one_process")
+            run(done[key], "--devices", 1, "--batch", 8, *extra)
+        return done[key]
+
+    return reference
+
+
 CASES = {
     "horizontal-host": [],
     "vertical-host-overlap": ["--schedule", "vertical", "--overlap", 0.5],
@@ -65,19 +82,26 @@ MIXED = {
 }
 
 
+def clipping(extra: list[Any]) -> list[Any]:
+    """The clipping arguments of ``extra`` (what the one-process run it is compared with shares)."""
+    return extra[extra.index("--clip") : extra.index("--clip") + 2] if "--clip" in extra else []
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_two_ranks_with_batch_b_equal_one_process_with_batch_2b(case: str, tmp_path: Path) -> None:
-    """SGD (momentum) in fp32: linear in the gradient, so the only difference is the order of the sums."""
-    run(tmp_path / "one", "--devices", 1, "--batch", 8, *CASES[case])
+def test_two_ranks_with_batch_b_equal_one_process_with_batch_2b(case: str, one_process: Callable[..., Path],
+                                                                 tmp_path: Path) -> None:  # fmt: skip
+    """SGD (momentum) in fp32: linear in the gradient, so the only difference is the order of the sums. Every
+    schedule and update backend follows plain PyTorch in fp32 to rounding, so each case is compared with the one
+    process of the horizontal schedule and the host update (with the same clipping)."""
     run(tmp_path / "two", "--devices", 2, "--batch", 4, *CASES[case])
-    assert max_relative(masters(tmp_path / "one"), masters(tmp_path / "two")) < 1e-5
+    assert max_relative(masters(one_process(*clipping(CASES[case]))), masters(tmp_path / "two")) < 1e-5
 
 
-def test_two_ranks_built_on_meta_equal_one_process_built_eagerly(tmp_path: Path) -> None:
+def test_two_ranks_built_on_meta_equal_one_process_built_eagerly(one_process: Callable[..., Path],
+                                                                  tmp_path: Path) -> None:  # fmt: skip
     """Each rank materializes one block at a time and takes rank 0's values (engine._share)."""
-    run(tmp_path / "one", "--devices", 1, "--batch", 8)
     run(tmp_path / "two", "--devices", 2, "--batch", 4, "--meta")
-    assert max_relative(masters(tmp_path / "one"), masters(tmp_path / "two")) < 1e-5
+    assert max_relative(masters(one_process()), masters(tmp_path / "two")) < 1e-5
 
 
 @pytest.mark.parametrize("case", MIXED)
@@ -99,13 +123,16 @@ def test_compression_runs_on_each_ranks_devices(tmp_path: Path) -> None:
         assert sent["grad_index"] > 0 and sent["grad_value"] > 0 and "grad" not in sent
 
 
-def test_adamw_two_ranks_equal_one_process(tmp_path: Path) -> None:
+def test_adamw_two_ranks_equal_one_process_store_half_each_and_resume_exactly(
+    one_process: Callable[..., Path], tmp_path: Path
+) -> None:
     """AdamW divides by the gradient's running RMS, so a gradient that is zero in exact arithmetic (the attention
     key bias: softmax ignores a constant per query) turns its rounding noise, which depends on the order of the
-    sums, into +-lr steps. That slice is left out; every other value is compared."""
-    run(tmp_path / "one", "--devices", 1, "--batch", 8, "--optimizer", "adamw")
-    run(tmp_path / "two", "--devices", 2, "--batch", 4, "--optimizer", "adamw")
-    one, two = masters(tmp_path / "one"), masters(tmp_path / "two")
+    sums, into +-lr steps. That slice is left out; every other value is compared. Each rank stores and moves half
+    of what the one process does; a save on 2 ranks resumes bit for bit on 2 ranks, and a damaged slice is named by
+    the rank that reads it."""
+    run(tmp_path / "straight", "--steps", 6, "--optimizer", "adamw")
+    one, two = masters(one_process("--steps", 6, "--optimizer", "adamw")), masters(tmp_path / "straight")
     for name in one:
         if name.endswith("attn.qkv.bias"):
             width = one[name].numel() // 3
@@ -116,12 +143,8 @@ def test_adamw_two_ranks_equal_one_process(tmp_path: Path) -> None:
     # the exact check of the partitioning (1e-5)
     assert max_relative(one, two) < 1e-3
 
-
-def test_each_rank_stores_and_moves_half(tmp_path: Path) -> None:
-    run(tmp_path / "one", "--devices", 1, "--batch", 8, "--steps", 1, "--width", 128, "--optimizer", "adamw")
-    run(tmp_path / "two", "--devices", 2, "--batch", 4, "--steps", 1, "--width", 128, "--optimizer", "adamw")
-    single = json.loads((tmp_path / "one" / "rank0.json").read_text())
-    ranks = [json.loads((tmp_path / "two" / f"rank{r}.json").read_text()) for r in range(2)]
+    single = json.loads((one_process("--steps", 6, "--optimizer", "adamw") / "rank0.json").read_text())
+    ranks = [json.loads((tmp_path / "straight" / f"rank{r}.json").read_text()) for r in range(2)]
 
     def moved(record: dict[str, Any]) -> int:
         return sum(sum(kinds.values()) for kinds in record["traffic"].values())
@@ -131,9 +154,6 @@ def test_each_rank_stores_and_moves_half(tmp_path: Path) -> None:
         assert rank["disk_bytes"] == pytest.approx(single["disk_bytes"] / 2, rel=0.03)
         assert moved(rank) == pytest.approx(moved(single) / 2, rel=0.03)
 
-
-def test_save_on_two_ranks_resumes_exactly_on_two_ranks(tmp_path: Path) -> None:
-    run(tmp_path / "straight", "--steps", 6, "--optimizer", "adamw")
     run(tmp_path / "split", "--steps", 4, "--save", "--optimizer", "adamw")
     checkpoint = tmp_path / "split" / "ckpts" / "epoch=0-step=4.ckpt"
     assert sorted(p.name for p in (checkpoint / "offload").iterdir()) == ["rank0", "rank1"]
@@ -166,12 +186,11 @@ def test_schedule_auto_runs_rank_zeros_plan_on_every_rank(tmp_path: Path) -> Non
     assert plans[0] is not None and plans[0] == plans[1]
 
 
-def test_torchrun_starts_the_ranks_instead_of_lightning(tmp_path: Path) -> None:
-    run(tmp_path / "one", "--devices", 1, "--batch", 8)
+def test_torchrun_starts_the_ranks_instead_of_lightning(one_process: Callable[..., Path], tmp_path: Path) -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(RUN), str(tmp_path / "two")]
     done = launch([*torchrun, "--devices", "2", "--batch", "4"])
     assert done.returncode == 0, done.stderr[-3000:]
-    assert max_relative(masters(tmp_path / "one"), masters(tmp_path / "two")) < 1e-5
+    assert max_relative(masters(one_process()), masters(tmp_path / "two")) < 1e-5
 
 
 ELASTIC = {
