@@ -55,9 +55,7 @@ from lightning_smartinf.checkpoint.manifest import MANIFEST, CheckpointError, la
 SET_UP = "smart_infinity storage backend"
 """A line the engine logs once its storage is set up: start-up ends there."""
 START_UP_SHARE = 0.2
-RESTORE_SHARE = 0.5
-"""A restore (and Lightning's fit start) takes about this share of the reference's start-up: kill windows after
-set-up are that much longer than the steps left."""
+"""The share of kills that land before the engine is set up (imports, verification, set-up)."""
 
 
 @dataclass
@@ -315,11 +313,10 @@ def campaign(root: Path, kills: int, steps: int, every: int, extra: list[str], s
                 if proc.wait() != 0:
                     raise SystemExit(f"smartinf-chaos: the last restart failed: {log_path}")
                 break
-            # one kill in START_UP_SHARE lands in start-up (imports, verification, set-up); the others after the
-            # engine is set up, spread over the restore and the steps still to run
+            # one kill in START_UP_SHARE lands in start-up; the others after the engine is set up, spread over the
+            # reference's time for the steps still to run (a resume's restore comes first in that window)
             early = rng.random() < START_UP_SHARE
-            delay = rng.uniform(0.0, report.startup_s) if early else rng.uniform(
-                0.0, RESTORE_SHARE * report.startup_s + training_s * (steps - max(before, 0)) / steps)  # fmt: skip
+            delay = rng.uniform(0.0, report.startup_s if early else training_s * (steps - max(before, 0)) / steps)
             if not early:
                 while proc.poll() is None and SET_UP not in log_path.read_text(errors="replace"):
                     time.sleep(0.02)

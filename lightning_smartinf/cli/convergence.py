@@ -1,7 +1,7 @@
 """``smartinf-convergence``: validation loss of lossy settings against exact training, same seed and steps.
 
-Trains the tiny recipe on the default corpus once per setting of a suite, then writes a Markdown table and a PNG of
-the validation curves:
+Trains the tiny recipe (or what the overrides after ``--`` choose) on the default corpus once per setting of a suite,
+then writes a Markdown table and a PNG of the validation curves:
 
 - ``compression`` (default): SmartUpdate, uncompressed; top-k keep=0.01 without and with error feedback; keep=0.05;
   keep=0.01 with error feedback and the devices' catch-up update;
@@ -9,6 +9,8 @@ the validation curves:
 
     smartinf-convergence --steps 300 --out docs/
     smartinf-convergence --suite state --steps 1000 --out docs/state_precision/
+    smartinf-convergence --suite state --steps 200 --out docs/state_precision_350m/ -- recipe=gpt_350m \
+        model.vocab_size=256 data.seq_len=32 data.batch_size=1 trainer.accumulate_grad_batches=8
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--out", default="convergence")
     parser.add_argument("--work", default="smartinf_runs/convergence")
+    parser.add_argument("overrides", nargs="*", help="smartinf-train overrides for every run (after --)")
     args = parser.parse_args()
     register_configs()
     out, work = Path(args.out), Path(args.work)
@@ -84,7 +87,7 @@ def main() -> None:
         slug = re.sub(r"[^a-z0-9.]+", "_", name.replace("-", ""))  # "top-k keep=0.01 + ..." -> "topk_keep_0.01_..."
         overrides = [*base_overrides, f"trainer.max_steps={args.steps}",
                      f"trainer.val_check_interval={max(args.steps // 6, 1)}", "trainer.limit_val_batches=8",
-                     f"offload.nvme_path={work / slug / 'state'}", *extra]  # fmt: skip
+                     f"offload.nvme_path={work / slug / 'state'}", *args.overrides, *extra]  # fmt: skip
         run_dir = work / slug
         run_dir.mkdir(parents=True, exist_ok=True)
         result = run(compose_run(overrides), run_dir)
@@ -114,7 +117,8 @@ def main() -> None:
     for name, r in results.items():
         steps, losses = zip(*r["curve"], strict=True)
         ax.plot(steps, losses, "o-", label=name)
-    ax.set(xlabel="optimizer step", ylabel="validation loss (nats/byte)", title=f"{subject}: convergence, gpt_tiny")
+    recipe = next((o.split("=", 1)[1] for o in args.overrides if o.startswith("recipe=")), "gpt_tiny")
+    ax.set(xlabel="optimizer step", ylabel="validation loss (nats/byte)", title=f"{subject}: convergence, {recipe}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "convergence.png", dpi=100)
