@@ -56,6 +56,10 @@ SET_UP = "smart_infinity storage backend"
 """A line the engine logs once its storage is set up: start-up ends there."""
 START_UP_SHARE = 0.2
 """The share of kills that land before the engine is set up (imports, verification, set-up)."""
+RESTORE_SHARE = 0.5
+"""A restore (and Lightning's fit start) takes about this share of the reference's start-up: kill windows after
+set-up are that much longer than the steps left, so that a chain near its end still moves (a restart killed in every
+restore would not), and some restarts finish first (they do not count as kills)."""
 
 
 @dataclass
@@ -314,9 +318,10 @@ def campaign(root: Path, kills: int, steps: int, every: int, extra: list[str], s
                     raise SystemExit(f"smartinf-chaos: the last restart failed: {log_path}")
                 break
             # one kill in START_UP_SHARE lands in start-up; the others after the engine is set up, spread over the
-            # reference's time for the steps still to run (a resume's restore comes first in that window)
+            # restore and the reference's time for the steps still to run
             early = rng.random() < START_UP_SHARE
-            delay = rng.uniform(0.0, report.startup_s if early else training_s * (steps - max(before, 0)) / steps)
+            delay = rng.uniform(0.0, report.startup_s) if early else rng.uniform(
+                0.0, RESTORE_SHARE * report.startup_s + training_s * (steps - max(before, 0)) / steps)  # fmt: skip
             if not early:
                 while proc.poll() is None and SET_UP not in log_path.read_text(errors="replace"):
                     time.sleep(0.02)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +32,7 @@ from lightning_smartinf.engine.params import ParamStreamer
 from lightning_smartinf.engine.partition import Partition
 from lightning_smartinf.engine.placement import HostPlacement, auto_budget, place
 from lightning_smartinf.engine.pretrained import PretrainedSource
+from lightning_smartinf.engine.snapshot import planned_signature
 from lightning_smartinf.errors import ConfigError, HostMemoryError
 from lightning_smartinf.memory import host_available_bytes, release_free_heap
 from lightning_smartinf.schedule.horizontal import find_blocks
@@ -227,9 +230,12 @@ def optimizer_rule(optimizer: Optimizer | None, compression: CompressionConfig) 
 def build(model: nn.Module, optimizer: Optimizer | None, offload: OffloadConfig, update: UpdateConfig,
           device: torch.device, param_dtype: torch.dtype, loss_scaling: bool = False,
           compression: CompressionConfig | None = None, rank: int = 0, world: int = 1,
-          init_from: str | Path | None = None, ranks_per_host: int = 1) -> EngineParts:  # fmt: skip
+          init_from: str | Path | None = None, ranks_per_host: int = 1,
+          check: Callable[[dict[str, Any]], None] | None = None) -> EngineParts:  # fmt: skip
     """Every part of an engine for ``model``, its state directories locked and its starting state written (block by
-    block: set-up holds one block at a time whatever the model's size). On failure the locks are released."""
+    block: set-up holds one block at a time whatever the model's size). On failure the locks are released.
+    ``check``: given the engine's signature once its layout is known, before anything is written (a checkpoint to
+    resume from refuses a run it cannot be restored onto there)."""
     compression = compression or CompressionConfig()
     rule = optimizer_rule(optimizer, compression)
     block_list = find_blocks(model)
@@ -243,6 +249,8 @@ def build(model: nn.Module, optimizer: Optimizer | None, offload: OffloadConfig,
     layout = build_layout(model, block_list, groups, offload.subgroup_size, rank, world)
     fixed = [p for p in model.parameters() if not p.requires_grad]
     frozen_layout = build_layout(model, block_list, [fixed], offload.subgroup_size, rank, world, frozen=True)
+    if check is not None:
+        check(planned_signature(rule.name if rule else None, offload.state_precision, layout, frozen_layout))
     frozen_dtype = _frozen_dtype(frozen_layout)
     itemsize = torch.empty((), dtype=param_dtype).element_size()
     frozen_itemsize = torch.empty((), dtype=frozen_dtype).element_size() if frozen_dtype else 0

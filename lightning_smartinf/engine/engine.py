@@ -10,8 +10,10 @@ the gradient store; the step streams subgroups (gradient, master, state) through
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -97,6 +99,7 @@ class OffloadEngine:
         world: int = 1,
         init_from: str | Path | None = None,
         ranks_per_host: int = 1,
+        check: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.model, self.optimizer, self.cfg = model, optimizer, offload
         self.device, self.param_dtype = device, param_dtype
@@ -108,7 +111,7 @@ class OffloadEngine:
         """Ranks sharing this host's memory: ``offload.host_memory_budget=auto`` gives each its share."""
         self._eager_norm = 0.0
         parts = build(model, optimizer, offload, update, device, param_dtype, loss_scaling, compression, rank, world,
-                      init_from, ranks_per_host)  # fmt: skip
+                      init_from, ranks_per_host, check)  # fmt: skip
         self.parts = parts
         vars(self).update(vars(parts))  # the parts by name, as the annotations above list them
         self.steps = StepRunner(parts.layout, parts.updater, parts.params, parts.grads, parts.overlapped,

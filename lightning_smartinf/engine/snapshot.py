@@ -174,6 +174,24 @@ def _signature(engine: Stateful) -> dict[str, Any]:
     }
 
 
+def planned_signature(rule: str | None, precision: str, layout: Layout, frozen_layout: Layout) -> dict[str, Any]:
+    """What set-up knows of its engine's signature before anything is written: enough to tell whether a checkpoint
+    can be re-cut onto it (``signature_differences(exact=False)``)."""
+    frozen = [[s.name, list(s.shape)] for b in frozen_layout.streamed for s in b.slots]
+    return {"layout": {**blocks_record(layout), **({"frozen": frozen} if frozen else {})}, "optimizer": rule,
+            "state_directories": 0, "state_precision": precision if rule else FP32}  # fmt: skip
+
+
+def refuse_unmappable(manifest: Manifest, current: dict[str, Any]) -> None:
+    """Fail, in one line naming what differs, where ``manifest``'s state cannot be restored onto ``current``."""
+    differences = signature_differences(saved_parts(manifest)[0][1]["signature"], current, exact=False)
+    if differences:
+        raise ConfigError(
+            f"checkpoint {manifest.path} was written with another configuration: {'; '.join(differences)}; "
+            "resume with the configuration it was saved with"
+        )
+
+
 def _precision(engine: Stateful) -> str:
     """``offload.state_precision`` of the engine's optimizer state (fp32 where the updater has no other)."""
     return str(getattr(engine.updater, "precision", FP32))
@@ -324,12 +342,7 @@ def load_engine_state(engine: Stateful, manifest: Manifest) -> int:
     if own is not None and not signature_differences(own[1]["signature"], current):
         _copy_own(engine, manifest.path / own[0])
     else:
-        differences = signature_differences(parts[0][1]["signature"], current, exact=False)
-        if differences:
-            raise ConfigError(
-                f"checkpoint {manifest.path} was written with another configuration: {'; '.join(differences)}; "
-                "resume with the configuration it was saved with"
-            )
+        refuse_unmappable(manifest, current)
         _relayout(engine, manifest, parts)
     _restore_frozen(engine, manifest, parts)
     meta = parts[0][1]

@@ -5,6 +5,8 @@ global batch: the elastic case) must resume at the same optimizer step and the s
 the data loader's position (kept in samples, data/corpus.py) carry over as they are; the training epoch loop's batch
 counters count this rank's batches, ``a`` per step, and decide where accumulation ends and where the epoch ends, so
 they are re-counted to ``b`` per step. The keys are Lightning's own (checked on the versions in ``CHECKED``).
+
+A resumed run's ``ModelCheckpoint`` callbacks are also told that the step it resumed at is saved (``mark_saved``).
 """
 
 from __future__ import annotations
@@ -49,3 +51,16 @@ def recount(checkpoint: dict[str, Any], world: int, accumulate: int) -> None:
         "with %d: its batch counters are re-counted to %d per optimizer step",
         saved["world_size"], was, world, accumulate, accumulate,
     )  # fmt: skip
+
+
+def mark_saved(trainer: Any) -> None:
+    """Count the step a resumed run starts at as saved by its ``ModelCheckpoint`` callbacks. They forget their last
+    saved step across a resume (``_last_global_step_saved`` is not in their state), and with
+    ``accumulate_grad_batches`` > 1 the window's first batch ends at that step still: they would save it again
+    there, in the middle of the window, and a resume from that checkpoint would skip the batch whose gradient it
+    lost."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            callback._last_global_step_saved = trainer.global_step

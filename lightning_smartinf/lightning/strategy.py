@@ -43,7 +43,13 @@ from lightning_smartinf.engine.engine import OffloadEngine
 from lightning_smartinf.engine.export import export_live
 from lightning_smartinf.engine.meta import meta_parameters
 from lightning_smartinf.engine.planning import plan_parked, plan_schedule, vertical_schedule
-from lightning_smartinf.engine.snapshot import load_engine_state, module_state, take_snapshot, write_snapshot
+from lightning_smartinf.engine.snapshot import (
+    load_engine_state,
+    module_state,
+    refuse_unmappable,
+    take_snapshot,
+    write_snapshot,
+)
 from lightning_smartinf.errors import ConfigError
 from lightning_smartinf.lightning import loop_state
 from lightning_smartinf.lightning.monitor import SmartInfinityMonitor
@@ -98,6 +104,8 @@ class SmartInfinityStrategy(ProcessStrategy):
         read tensor by tensor into storage at set-up (``engine/pretrained.py``)."""
         self.engine: OffloadEngine | None = None
         self._resume_from: Manifest | None = None
+        self._module_state: dict[str, Any] | None = None
+        """The checkpoint's module state, read before set-up and restored with the engine's at its end."""
         self.resumed_from_ranks: int | None = None
         """How many ranks wrote the checkpoint this run resumed from (None: not resumed)."""
         self.last_save: SaveRecord | None = None
@@ -174,7 +182,7 @@ class SmartInfinityStrategy(ProcessStrategy):
                 self.model, optimizer, self.offload, self.update, self.root_device, precision.param_dtype,
                 loss_scaling=precision.precision == "16-mixed", compression=self.compression,
                 overlap=self.schedule.overlap, rank=self.global_rank, world=self.world_size,
-                init_from=self.init_from, ranks_per_host=self.num_processes,
+                init_from=self.init_from, ranks_per_host=self.num_processes, check=self._resumable,
             )  # fmt: skip
             log.info(
                 "smart_infinity: %d params in %d blocks, %d subgroups; storage %s; update %s; host buffers %.1f MiB",
@@ -183,6 +191,7 @@ class SmartInfinityStrategy(ProcessStrategy):
                 self.engine.host_memory_bytes / 2**20,
             )  # fmt: skip
         precision.engine = self.engine
+        self._restore()
         self._choose_schedule(trainer)
         callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
         if not any(isinstance(cb, SmartInfinityMonitor) for cb in callbacks):
@@ -246,6 +255,12 @@ class SmartInfinityStrategy(ProcessStrategy):
         self._split = s.micro_batches
         return vertical_schedule(self.engine, self.lightning_module, s, trainer.accumulate_grad_batches, clipping,
                                  self.root_device, keep_bytes)  # fmt: skip
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.resumed_from_ranks is not None and self._trainer is not None:
+            loop_state.mark_saved(self._trainer)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -376,7 +391,9 @@ class SmartInfinityStrategy(ProcessStrategy):
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
-        return True
+        """False: Lightning reads the checkpoint before set-up, so set-up can refuse one it cannot restore before it
+        writes anything; the engine's state is restored at the end of set-up (``_restore``)."""
+        return False
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -391,11 +408,28 @@ class SmartInfinityStrategy(ProcessStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Before set-up: kept for ``_restore``, which restores it with the engine's state once the engine exists."""
+        self._module_state = checkpoint["state_dict"]
+
+    def _resumable(self, signature: dict[str, Any]) -> None:
+        """Set-up's check, before the engine writes anything: the checkpoint being resumed can be restored onto it."""
+        if self._resume_from is not None and self._module_state is not None:
+            try:
+                refuse_unmappable(self._resume_from, signature)
+            except ConfigError:
+                self._module_state = None  # refused: nothing of it is restored later
+                raise
+
+    def _restore(self) -> None:
+        """The checkpoint read before set-up, restored into the engine and the module."""
+        if self._module_state is None:
+            return
         assert self.engine is not None and self._resume_from is not None and self.lightning_module is not None
         started = time.perf_counter()
         self.resumed_from_ranks = load_engine_state(self.engine, self._resume_from)
         log.info("smart_infinity: restored the offloaded state in %.2f s", time.perf_counter() - started)
-        self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=False)
+        self.lightning_module.load_state_dict(self._module_state, strict=False)
+        self._module_state = None
 
     def close(self) -> None:
         """Stop the engine's I/O threads and give the module back its blocks' original ``forward``."""

@@ -73,11 +73,14 @@ def test_two_ranks_train_checkpoint_and_resume_on_one(tmp_path: Path) -> None:
     assert sorted(p.name for p in (Path(summary["checkpoint"]) / "offload").iterdir()) == ["rank0", "rank1"]
 
     # on one rank, accumulating the other rank's batch: the state re-cut from both ranks' files
-    resume = [*cmd[:3], "trainer.devices=1", "trainer.accumulate_grad_batches=2", "trainer.max_steps=6", *cmd[5:],
+    resume = [*cmd[:3], "trainer.devices=1", "trainer.accumulate_grad_batches=2", "trainer.max_steps=6",
+              "trainer.checkpoint_every_n_steps=2", *cmd[5:],
               f"trainer.output_dir={tmp_path / 'resumed'}", f"trainer.resume={summary['checkpoint']}"]  # fmt: skip
     done = subprocess.run(resume, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "from a checkpoint of 2 rank(s), re-partitioned onto 1" in done.stdout + done.stderr
+    # the first batch of the first window ends at step 4 still: not saved again there, mid-accumulation
+    assert not re.search(r"smart_infinity: checkpoint \S*step4\.ckpt,", done.stdout + done.stderr)
     resumed = json.loads(next((tmp_path / "resumed").glob("*/summary.json")).read_text())
     assert resumed["summary"]["optimizer_steps"] == 2 and Path(resumed["checkpoint"]).name == "step6.ckpt"
 

@@ -213,7 +213,7 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks_as_an_uninterrupted_run
     (tests/engine/test_relayout.py re-cuts every state kind element by element): the host's state in RAM, and the
     devices' state files with the momentum in 8 bits. Saves fall on epochs' ends: the plain DataLoader here restarts
     its epoch on resume (smartinf-train's loader resumes mid-epoch, in samples). Then a checkpoint of another model
-    (another width) is refused before anything is restored, in one line naming what differs."""
+    (another width) is refused at set-up, before anything is written or restored, in one line naming what differs."""
     extra = ELASTIC[case]
     run(tmp_path / "straight", *ranks(2), "--steps", 10, *extra)
     run(tmp_path / "chain", *ranks(2), "--steps", 4, "--save", *extra)
@@ -231,4 +231,6 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks_as_an_uninterrupted_run
     assert "was written with another configuration: another model: " in refused.stderr
     assert "[32] (this run: [64])" in refused.stderr
     assert "resumed at step" not in refused.stdout + refused.stderr
+    written = [p for p in (tmp_path / "other").rglob("*") if p.is_file() and p.name.startswith("sg")]
+    assert not written, written  # refused at set-up, before the new run wrote any state
     verify_checkpoint(checkpoint)  # the checkpoint is as it was
