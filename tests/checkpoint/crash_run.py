@@ -36,23 +36,14 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def arm(point: str, strategy: SmartInfinityStrategy, module: GPTModule) -> None:
+def arm(point: str, strategy: SmartInfinityStrategy) -> None:
     """Patch the seam where ``point`` happens so the process dies there during step KILL_STEP (or its save)."""
     seen = {"n": 0}
 
     def engine_steps() -> int:
         return strategy.engine.step_count if strategy.engine else 0
 
-    if point == "forward":
-        original_step = module.training_step
-
-        def training_step(*args: Any) -> Any:
-            if module.trainer.global_step == KILL_STEP - 1:
-                die()
-            return original_step(*args)
-
-        module.training_step = training_step  # type: ignore[method-assign]
-    elif point == "backward":
+    if point == "backward":
         original_add = GradientAccumulator.add_block
 
         def add_block(self: GradientAccumulator, *args: Any) -> None:
@@ -128,7 +119,7 @@ def main() -> None:
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=STEPS, precision="32-true",
                          logger=False, callbacks=[checkpoints], enable_progress_bar=False, enable_model_summary=False,
                          limit_val_batches=0)  # fmt: skip
-    arm(args.kill, strategy, module)
+    arm(args.kill, strategy)
     resume = latest_checkpoint(args.out / "ckpts") if args.resume else None
     print(f"resuming from {resume}" if resume else "starting fresh", flush=True)
     trainer.fit(module, DataLoader(data, batch_size=4), ckpt_path=resume)  # type: ignore[arg-type]

@@ -36,7 +36,8 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("point", ["forward", "backward", "step", "checkpoint", "publish"])
+# (a kill before a step's forward is one between steps: the kill in backward covers it, with a step half-built)
+@pytest.mark.parametrize("point", ["backward", "step", "checkpoint", "publish"])
 def test_killed_run_resumes_exactly(point: str, uninterrupted: Path, tmp_path: Path) -> None:
     run(tmp_path, "--kill", point, killed=True)
     log = run(tmp_path, "--resume")
