@@ -65,7 +65,8 @@ LAYERS: tuple[Layer, ...] = (
           ("lightning", "matplotlib"),
           "everything that speaks Lightning: the Trainer strategy, the Fabric strategy, their names in Lightning's "
           "registries, precision, processes and ranks, the monitor callback, the timeline"),
-    Layer("models", ("models.*", "data.*"), ("ground", "ecosystem", "engine"), ("lightning", "safetensors", "numpy"),
+    Layer("models", ("models.*", "data.*"), ("ground", "ecosystem", "checkpoint", "engine"),
+          ("lightning", "safetensors", "numpy"),
           "the shipped GPT, HFCausalLM, the loss and optimizers they share; tokenizers, token caches, data modules"),
     Layer("tools", ("cli.*", "bench.*", "__init__"), tuple(), ("lightning", "hydra", "omegaconf", "matplotlib",
           "numpy", "psutil", "deepspeed", "pyopencl", "mfusepy"),

@@ -80,11 +80,32 @@ def dumps(checkpoint: dict[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
+LEGACY_TYPES: list[Any] = []
+"""Types that trainer states of earlier versions pickled (the shipped GPT's config, a dataclass rebuilt from its
+fields, which runs no code): ``load`` lets torch rebuild them while it reads a trainer state, and nowhere else.
+Registered by the module that defines them (``allow_legacy``)."""
+
+
+def allow_legacy(cls: type) -> None:
+    """Let ``load`` rebuild ``cls`` where an earlier version's trainer state pickled it."""
+    if cls not in LEGACY_TYPES:
+        LEGACY_TYPES.append(cls)
+
+
+def _torch_load(path: Path) -> Any:
+    scoped = getattr(torch.serialization, "safe_globals", None)  # torch >= 2.5; before it, process-wide
+    if scoped is None:
+        torch.serialization.add_safe_globals(LEGACY_TYPES)
+        return torch.load(path, map_location="cpu", weights_only=True)
+    with scoped(LEGACY_TYPES):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def load(path: Path) -> dict[str, Any]:
-    """Read a trainer state written by ``dumps`` (or by earlier versions, whose only object was the shipped GPT's
-    config, registered as safe where it is defined). Anything else is refused, unrun, with one line."""
+    """Read a trainer state written by ``dumps`` (or by earlier versions, whose only objects were ``LEGACY_TYPES``).
+    Anything else is refused, unrun, with one line."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = _torch_load(path)
     except Exception as err:  # the unpickler raises UnpicklingError, or RuntimeError wrapping it
         if "weights_only" not in str(err) and "Weights only" not in str(err):
             raise CheckpointError(f"{path} cannot be read: {type(err).__name__}: {err}") from err

@@ -6,7 +6,9 @@ the data loader's position (kept in samples, data/corpus.py) carry over as they 
 counters count this rank's batches, ``a`` per step, and decide where accumulation ends and where the epoch ends, so
 they are re-counted to ``b`` per step. The keys are Lightning's own (checked on the versions in ``CHECKED``).
 
-A resumed run's ``ModelCheckpoint`` callbacks are also told that the step it resumed at is saved (``mark_saved``).
+A resumed run's ``ModelCheckpoint`` callbacks are also told that the step it resumed at is saved (``mark_saved``),
+and ``accumulating`` asks the fit loop whether a batch ends without an optimizer step: the module is where the
+strategy reaches into Lightning's private state, all of it.
 """
 
 from __future__ import annotations
@@ -64,3 +66,9 @@ def mark_saved(trainer: Any) -> None:
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint):
             callback._last_global_step_saved = trainer.global_step
+
+
+def accumulating(trainer: Any) -> bool:
+    """Whether the batch being trained ends without an optimizer step (``accumulate_grad_batches``), by Lightning's
+    own test (the fit loop's ``_should_accumulate``)."""
+    return bool(trainer.fit_loop._should_accumulate())

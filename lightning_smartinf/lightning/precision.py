@@ -36,8 +36,13 @@ class SmartInfinityPrecision(Precision):
         self.precision = precision  # type: ignore[assignment]
         self.device_type = device_type
         self.engine: OffloadEngine | None = None
-        self.backward_done = False
-        """Set by a schedule that ran its own backward inside training_step (vertical)."""
+        self._backward_done = False
+        """A schedule ran this batch's backward inside training_step (``skip_next_backward``)."""
+
+    def skip_next_backward(self) -> None:
+        """The batch's backward ran already (a vertical pass) or has nothing to do (a batch held for its window):
+        Lightning's backward call that follows does nothing."""
+        self._backward_done = True
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -58,8 +63,8 @@ class SmartInfinityPrecision(Precision):
         self, tensor: Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any
     ) -> None:
         assert self.engine is not None, "the smart_infinity engine is built in Strategy.setup"
-        if self.backward_done:
-            self.backward_done = False
+        if self._backward_done:
+            self._backward_done = False
             return
         self.engine.backward(tensor)
 

@@ -269,10 +269,10 @@ class SmartInfinityStrategy(ProcessStrategy):
         if self.window is not None:
             self.window.hold(args, kwargs)
             assert self._trainer is not None
-            if self._trainer.fit_loop._should_accumulate():  # Lightning's own test: no optimizer step after this one
+            if loop_state.accumulating(self._trainer):  # no optimizer step after this batch
                 # held for the end of its window: no loss yet (a placeholder zero) and no backward of its own
                 assert isinstance(self.precision_plugin, SmartInfinityPrecision)
-                self.precision_plugin.backward_done = True
+                self.precision_plugin.skip_next_backward()
                 return torch.zeros((), device=self.root_device)
             calls = self.window.take()
         if self._kind == "auto" and self.vertical is None:
@@ -297,7 +297,7 @@ class SmartInfinityStrategy(ProcessStrategy):
             with precision.train_step_context():
                 loss = self.vertical.run_micros(module, [mb for mb, _ in micros], divisor)  # type: ignore[arg-type]
             module.log("train_loss", loss, prog_bar=True)
-        precision.backward_done = True  # Lightning's backward call that follows has nothing left to do
+        precision.skip_next_backward()
         self.engine.count_micro_batch()
         return loss
 

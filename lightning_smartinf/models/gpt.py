@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
+from lightning_smartinf.checkpoint.trainer_state import allow_legacy
 from lightning_smartinf.engine.meta import building_on_meta
 from lightning_smartinf.errors import ConfigError
 from lightning_smartinf.models.loss import inputs, next_token_loss, tokens_in_batch
@@ -56,9 +57,9 @@ class GPTConfig:
         return self.n_layer * per_layer + (self.vocab_size + self.block_size) * d + (2 if self.bias else 1) * d
 
 
-# Checkpoints of versions before the trainer state became plain data pickled this config; a dataclass rebuilt from
-# its fields runs no code, so ``torch.load(weights_only=True)`` may build it (checkpoint/trainer_state.py).
-torch.serialization.add_safe_globals([GPTConfig])
+# Checkpoints of versions before the trainer state became plain data pickled this config: their trainer state may
+# rebuild it (checkpoint/trainer_state.py), and only that load.
+allow_legacy(GPTConfig)
 
 
 class CausalSelfAttention(nn.Module):

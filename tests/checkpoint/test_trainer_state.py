@@ -122,3 +122,14 @@ def test_a_resumed_checkpoint_rebuilds_the_gpt_config(smart, tmp_path: Path) -> 
     module = type(make_module())(**hyper)
     assert module.cfg == make_module().cfg
     fit(module, smart(), max_steps=3, ckpt_path=str(tmp_path / "c.ckpt"), loader=token_loader())
+
+
+def test_an_earlier_versions_pickled_gpt_config_loads_and_only_there(tmp_path: Path) -> None:
+    """Trainer states of earlier versions pickled the GPT's config: ``load`` rebuilds it, and importing the GPT does
+    not make it loadable anywhere else in the process."""
+    from lightning_smartinf.models.gpt import GPTConfig
+
+    config = GPTConfig(n_layer=1, n_head=1, n_embd=8, vocab_size=256, block_size=4)
+    torch.save({"hyper_parameters": {"cfg": config}}, tmp_path / "old.pt")
+    assert load(tmp_path / "old.pt")["hyper_parameters"]["cfg"] == config
+    assert GPTConfig not in torch.serialization.get_safe_globals()

@@ -1,4 +1,5 @@
-"""Lightning's batch counters re-counted for another accumulation, and the Lightning versions that was checked on."""
+"""Lightning's batch counters re-counted for another accumulation, the private names the strategy reaches, and the
+Lightning versions they were checked on."""
 
 from __future__ import annotations
 
@@ -44,3 +45,23 @@ def test_the_installed_lightning_is_one_the_keys_were_checked_on() -> None:
     """A Lightning release outside ``CHECKED`` may rename the loop's keys: check them (this file and
     tests/engine/test_partition.py's elastic resumes) and add the release."""
     assert lightning.__version__.startswith(loop_state.CHECKED), lightning.__version__
+
+
+def test_the_private_names_it_reaches_are_there() -> None:
+    """The fit loop's accumulation test and ModelCheckpoint's last saved step (``accumulating``, ``mark_saved``),
+    read and set as the adapter does."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    checkpoint = ModelCheckpoint(every_n_train_steps=2)
+    trainer = Trainer(accelerator="cpu", accumulate_grad_batches=2, callbacks=[checkpoint], logger=False,
+                      enable_progress_bar=False)  # fmt: skip
+    assert checkpoint._last_global_step_saved == 0
+    trainer.fit_loop.epoch_loop.batch_progress.increment_ready()
+    assert loop_state.accumulating(trainer)  # the first of two batches
+    trainer.fit_loop.epoch_loop.batch_progress.increment_ready()
+    assert not loop_state.accumulating(trainer)
+    trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total.completed = 6
+    assert trainer.global_step == 6
+    loop_state.mark_saved(trainer)
+    assert checkpoint._last_global_step_saved == 6
