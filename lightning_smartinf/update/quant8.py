@@ -92,6 +92,13 @@ def split(raw: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scales
 
 
+def _split_cleared(raw: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``split``, for a tensor about to be quantized into ``raw``: the padding before the absmax values zeroed, so
+    the files are equal run to run."""
+    raw[numel : codes_bytes(numel)].zero_()
+    return split(raw, numel)
+
+
 KERNEL = "smartinf_quant8"
 
 
@@ -168,8 +175,7 @@ def quantize(values: torch.Tensor, signed: bool, raw: torch.Tensor) -> None:
     code of the map value nearest to ``value / absmax`` (the lower one on a tie). The nearest is one of the two map
     values around ``value / absmax``; a table by fp32 bucket finds them without a search."""
     numel = values.numel()
-    codes, scales = split(raw, numel)
-    raw[numel : codes_bytes(numel)].zero_()  # the padding before the absmax values: files equal run to run
+    codes, scales = _split_cleared(raw, numel)
     compiled = kernel()
     if compiled is not None:
         direct, below, offset = buckets(signed)
@@ -216,8 +222,7 @@ def fused_step(rule: OptimizerRule, master: torch.Tensor, grad: torch.Tensor, ra
     grad = grad.to(torch.float32).contiguous()
     parts = {}
     for kind, buffer in raw.items():
-        buffer[numel : codes_bytes(numel)].zero_()  # the padding before the absmax values: files equal run to run
-        parts[kind] = split(buffer, numel)
+        parts[kind] = _split_cleared(buffer, numel)
     scalars = [float(x) if not isinstance(x, np.integer) else bool(x) for x in kernel_scalars(rule, hyper, step)]
     first = step == 1
     if rule.name in ("adam", "adamw"):
