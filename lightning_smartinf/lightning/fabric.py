@@ -26,11 +26,7 @@ import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies import ParallelStrategy
-from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.fabric.utilities.distributed import (
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.fabric.utilities.types import ReduceOp
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -51,6 +47,7 @@ from lightning_smartinf.engine.engine import OffloadEngine
 from lightning_smartinf.engine.meta import meta_parameters
 from lightning_smartinf.engine.snapshot import load_engine_state, module_state, take_snapshot, write_snapshot
 from lightning_smartinf.errors import ConfigError
+from lightning_smartinf.lightning.internals import FabricSubprocessLauncher, sync_ddp
 from lightning_smartinf.lightning.precision import PARAM_DTYPES
 from lightning_smartinf.lightning.ranks import Ranks
 
@@ -102,7 +99,7 @@ class SmartInfinityFabricStrategy(Ranks, ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = FabricSubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def setup_environment(self) -> None:
@@ -113,7 +110,7 @@ class SmartInfinityFabricStrategy(Ranks, ParallelStrategy):
     @override
     def all_reduce(self, tensor: Tensor, group: Any | None = None,
                    reduce_op: ReduceOp | str | None = "mean") -> Tensor:  # fmt: skip
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, Tensor) else tensor
+        return sync_ddp(tensor, group, reduce_op=reduce_op) if isinstance(tensor, Tensor) else tensor
 
     # -- the model -----------------------------------------------------------------------------------------------------
     @override
@@ -211,7 +208,7 @@ class SmartInfinityFabricStrategy(Ranks, ParallelStrategy):
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
     @override
-    def save_checkpoint(self, path: _PATH, state: dict[str, Any], storage_options: Any | None = None,
+    def save_checkpoint(self, path: str | Path, state: dict[str, Any], storage_options: Any | None = None,
                         filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:  # fmt: skip
         """``fabric.save(path, state)``: a checkpoint directory (the engine's offloaded state, and the rest of
         ``state`` as plain data) that appears under ``path`` only once complete (``checkpoint/protocol.py``)."""
@@ -237,7 +234,7 @@ class SmartInfinityFabricStrategy(Ranks, ParallelStrategy):
         return value
 
     @override
-    def load_checkpoint(self, path: _PATH, state: Module | Optimizer | dict[str, Any] | None = None,
+    def load_checkpoint(self, path: str | Path, state: Module | Optimizer | dict[str, Any] | None = None,
                         strict: bool = True, weights_only: bool | None = None) -> dict[str, Any]:  # fmt: skip
         """``fabric.load(path, state)``: verify the checkpoint, restore the engine's state, and the rest of ``state``
         in place; returns what ``state`` did not ask for."""

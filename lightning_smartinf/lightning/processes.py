@@ -13,11 +13,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available, _sync_ddp_if_available
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from typing_extensions import override
 
+from lightning_smartinf.lightning.internals import SubprocessLauncher, all_gather_ddp, sync_ddp
 from lightning_smartinf.lightning.ranks import Ranks
 
 
@@ -37,7 +36,7 @@ class ProcessStrategy(Ranks, ParallelStrategy):
         cluster environments detect)."""
         if self.is_distributed:
             assert self.cluster_environment is not None
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = SubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def setup_environment(self) -> None:
@@ -47,12 +46,12 @@ class ProcessStrategy(Ranks, ParallelStrategy):
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return sync_ddp(tensor, group, reduce_op=reduce_op)
         return tensor
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
-        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+        return all_gather_ddp(tensor, group=group, sync_grads=sync_grads)
 
     def _sync_initial_weights(self) -> None:
         """Every rank starts from rank 0's parameters and buffers (as DDP does), whatever each seeded."""

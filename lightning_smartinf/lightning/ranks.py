@@ -14,12 +14,13 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-)
 from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+from lightning_smartinf.lightning.internals import (
+    default_process_group_backend,
+    distributed_is_initialized,
+    init_dist_connection,
+)
 
 
 class _Parallel(Protocol):
@@ -95,20 +96,20 @@ class Ranks:
 
     def join_process_group(self: _Parallel) -> None:
         """With more than one rank: set the ranks and join the process group (once per process)."""
-        if self.num_nodes * self.num_processes > 1 and not _distributed_is_initialized():
+        if self.num_nodes * self.num_processes > 1 and not distributed_is_initialized():
             Ranks.set_world_ranks(self)
-            backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+            backend = self._process_group_backend or default_process_group_backend(self.root_device)
             self._process_group_backend = backend
             assert self.cluster_environment is not None
-            _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+            init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
             atexit.register(_destroy_process_group)
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if _distributed_is_initialized():
+        if distributed_is_initialized():
             dist.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
+        if not distributed_is_initialized():
             return obj
         holder = [obj]
         dist.broadcast_object_list(holder, src)

@@ -21,7 +21,6 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
@@ -51,7 +50,7 @@ from lightning_smartinf.engine.snapshot import (
     write_snapshot,
 )
 from lightning_smartinf.errors import ConfigError
-from lightning_smartinf.lightning import loop_state
+from lightning_smartinf.lightning import internals
 from lightning_smartinf.lightning.monitor import SmartInfinityMonitor
 from lightning_smartinf.lightning.precision import SmartInfinityPrecision
 from lightning_smartinf.lightning.processes import ProcessStrategy
@@ -260,7 +259,7 @@ class SmartInfinityStrategy(ProcessStrategy):
     def on_train_start(self) -> None:
         super().on_train_start()
         if self.resumed_from_ranks is not None and self._trainer is not None:
-            loop_state.mark_saved(self._trainer)
+            internals.mark_saved(self._trainer)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -269,7 +268,7 @@ class SmartInfinityStrategy(ProcessStrategy):
         if self.window is not None:
             self.window.hold(args, kwargs)
             assert self._trainer is not None
-            if loop_state.accumulating(self._trainer):  # no optimizer step after this batch
+            if internals.accumulating(self._trainer):  # no optimizer step after this batch
                 # held for the end of its window: no loss yet (a placeholder zero) and no backward of its own
                 assert isinstance(self.precision_plugin, SmartInfinityPrecision)
                 self.precision_plugin.skip_next_backward()
@@ -334,7 +333,7 @@ class SmartInfinityStrategy(ProcessStrategy):
         return module_state(self.engine, self.lightning_module)
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None) -> None:
         """Write ``filepath`` as a checkpoint directory (Lightning's trainer state plus the engine's offloaded
         state) that appears under that name only once complete: see ``checkpoint/protocol.py``. During fit (with
         ``offload.async_save``) only the snapshot is taken here and the writing goes on behind training."""
@@ -345,7 +344,7 @@ class SmartInfinityStrategy(ProcessStrategy):
         snapshot = take_snapshot(engine)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
-        checkpoint = {**checkpoint, loop_state.ELASTIC: loop_state.batching(self.world_size, accumulate)}
+        checkpoint = {**checkpoint, internals.ELASTIC: internals.batching(self.world_size, accumulate)}
         trainer_state, step, path = dumps(checkpoint), checkpoint.get("global_step", 0), Path(filepath)
         background = self._fitting and self.offload.async_save
         fenced_before = engine.fence.waited_s
@@ -379,7 +378,7 @@ class SmartInfinityStrategy(ProcessStrategy):
             write()
 
     @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
+    def remove_checkpoint(self, filepath: str | Path) -> None:
         if not self.is_global_zero:
             return
         if self._fitting and self.offload.async_save:
@@ -396,14 +395,14 @@ class SmartInfinityStrategy(ProcessStrategy):
         return False
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         """Verify the checkpoint's files, then read the trainer state; the engine state follows in
         ``load_model_state_dict``."""
         self.saves.wait()  # restoring rewrites the state files a save in the background may still be copying
         self._resume_from = protocol.open_checkpoint(Path(checkpoint_path), self.global_rank, self.world_size)
         state = load_trainer_state(self._resume_from.path / TRAINER_STATE)
         assert self.lightning_module is not None
-        loop_state.recount(state, self.world_size, self.lightning_module.trainer.accumulate_grad_batches)
+        internals.recount(state, self.world_size, self.lightning_module.trainer.accumulate_grad_batches)
         return state
 
     @override

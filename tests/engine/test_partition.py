@@ -208,7 +208,7 @@ def ranks(world: int) -> list[Any]:
 def test_a_checkpoint_resumes_on_another_number_of_ranks_as_an_uninterrupted_run(case: str, tmp_path: Path) -> None:
     """2 ranks to step 4, resumed on 1 rank (accumulating 2 batches) to step 8, resumed on 2 ranks again to step 10:
     each resume re-cuts every rank's state from the saved ranks' files (engine/relayout.py) and re-counts
-    Lightning's batch counters (lightning/loop_state.py). Equal to an uninterrupted 2-rank run in fp32 (the order of
+    Lightning's batch counters (lightning/internals.py). Equal to an uninterrupted 2-rank run in fp32 (the order of
     the gradient sums differs: 1e-5); SGD with momentum, linear in the gradient, as in the equalities above
     (tests/engine/test_relayout.py re-cuts every state kind element by element): the host's state in RAM, and the
     devices' state files with the momentum in 8 bits. Saves fall on epochs' ends: the plain DataLoader here restarts

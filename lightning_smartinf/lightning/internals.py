@@ -1,4 +1,13 @@
-"""Lightning's saved loop counters, re-counted for a resume with another number of batches per optimizer step.
+"""Every private Lightning name the strategies use, in one place, checked on the Lightning releases in ``CHECKED``.
+
+Lightning's public API leaves out a few things a storage-offload strategy needs: DDP's launcher and collectives
+(reused rather than copied), the fit loop's own test for "this batch ends without an optimizer step", a
+``ModelCheckpoint``'s last saved step, and the keys of the loop's saved counters. They are reached here and nowhere
+else (tests/lightning/test_internals.py reads and sets each as this module does), so a Lightning release that
+renames one breaks one file and one test.
+
+**The loop counters.** Lightning's saved loop counters are re-counted for a resume with another number of batches
+per optimizer step.
 
 A checkpoint written by N ranks with ``accumulate_grad_batches=a`` and resumed by M ranks with ``b`` (the same
 global batch: the elastic case) must resume at the same optimizer step and the same sample. The step counters and
@@ -7,8 +16,7 @@ counters count this rank's batches, ``a`` per step, and decide where accumulatio
 they are re-counted to ``b`` per step. The keys are Lightning's own (checked on the versions in ``CHECKED``).
 
 A resumed run's ``ModelCheckpoint`` callbacks are also told that the step it resumed at is saved (``mark_saved``),
-and ``accumulating`` asks the fit loop whether a batch ends without an optimizer step: the module is where the
-strategy reaches into Lightning's private state, all of it.
+and ``accumulating`` asks the fit loop whether a batch ends without an optimizer step.
 """
 
 from __future__ import annotations
@@ -16,10 +24,35 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from lightning.fabric.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher as FabricSubprocessLauncher,
+)
+from lightning.fabric.utilities.distributed import (
+    _all_gather_ddp_if_available as all_gather_ddp,
+)
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized as distributed_is_initialized,
+)
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device as default_process_group_backend,
+)
+from lightning.fabric.utilities.distributed import (
+    _init_dist_connection as init_dist_connection,
+)
+from lightning.fabric.utilities.distributed import (
+    _sync_ddp_if_available as sync_ddp,
+)
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as SubprocessLauncher
+
+__all__ = [
+    "FabricSubprocessLauncher", "SubprocessLauncher", "accumulating", "all_gather_ddp", "default_process_group_backend",
+    "distributed_is_initialized", "init_dist_connection", "mark_saved", "recount", "sync_ddp",
+]  # fmt: skip
+
 log = logging.getLogger(__name__)
 
 CHECKED = ("2.6",)
-"""Lightning versions whose checkpoint keys this module was checked against (tests/lightning/test_loop_state.py)."""
+"""Lightning versions whose checkpoint keys this module was checked against (tests/lightning/test_internals.py)."""
 ELASTIC = "smart_infinity"
 """The trainer-state key under which a save records how it counted batches."""
 PROGRESS = "epoch_loop.batch_progress"
