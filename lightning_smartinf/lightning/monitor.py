@@ -8,7 +8,8 @@ lists each rank's host-link bytes.
 Where each step's time goes is logged beside them (``trace.Phases`` on the training thread): ``t_storage``, seconds
 waiting on storage reads; ``t_update``, the optimizer step where it was not hidden (run in line, or waited for by
 the next forward); ``t_compute``, the rest (forward, backward, recompute, and what Lightning and the data loader
-take).
+take). ``host_read_MB`` / ``host_write_MB`` are the step's bytes each way over the host link (on a CPU device: to
+and from storage). The summary sums both: what went to the disk and what waiting on it cost.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class SmartInfinityMonitor(Callback):
         self.started = 0.0
         self.step_started = 0.0
         self.last_bytes = 0
+        self.last_read = 0
         self.start_bytes = 0
         self.start_step = 0
         self.last_global_step = 0
@@ -60,6 +62,7 @@ class SmartInfinityMonitor(Callback):
         self.started = self.step_started = time.perf_counter()
         engine = self._engine(trainer)
         self.last_bytes = self.start_bytes = engine.counters.total(link=HOST_LINK) if engine else 0
+        self.last_read = engine.counters.total(link=HOST_LINK, direction="read") if engine else 0
         self.start_step = engine.step_count if engine else 0  # non-zero after a resume
         self.last_global_step = trainer.global_step
         self.phases = trace.count_phases()
@@ -79,6 +82,7 @@ class SmartInfinityMonitor(Callback):
         now = time.perf_counter()
         elapsed = max(now - self.step_started, 1e-9)
         host = engine.counters.total(link=HOST_LINK)
+        read = engine.counters.total(link=HOST_LINK, direction="read")
         metrics = {
             "tok_s": self.step_tokens / elapsed,
             "host_GBps": (host - self.last_bytes) / elapsed / 1e9,
@@ -86,7 +90,10 @@ class SmartInfinityMonitor(Callback):
         }
         pl_module.log_dict(metrics, prog_bar=True, on_step=True, on_epoch=False)
         pl_module.log_dict(self._split(elapsed), on_step=True, on_epoch=False)
-        self.step_started, self.step_tokens, self.last_bytes = now, 0, host
+        written = (host - read) - (self.last_bytes - self.last_read)
+        moved = {"host_read_MB": (read - self.last_read) / 1e6, "host_write_MB": written / 1e6}
+        pl_module.log_dict(moved, on_step=True, on_epoch=False)
+        self.step_started, self.step_tokens, self.last_bytes, self.last_read = now, 0, host, read
 
     def _split(self, elapsed: float) -> dict[str, float]:
         """This step's seconds: waiting on storage, exposed update, and the rest (compute)."""
@@ -104,6 +111,9 @@ class SmartInfinityMonitor(Callback):
         if engine is None:
             return
         seconds = time.perf_counter() - self.started
+        phases = dict(self.phases.totals) if self.phases is not None else {}
+        storage = phases.get("wait", 0.0)
+        update = sum(phases.get(k, 0.0) for k in EXPOSED_UPDATE)
         steps = engine.step_count - self.start_step
         params = engine.layout.num_params
         mine = {"tokens": self.tokens, "table": engine.counters.table(),
@@ -132,6 +142,7 @@ class SmartInfinityMonitor(Callback):
             "traffic_bytes_per_rank": [r["table"] for r in ranks],
             "host_link_bytes_per_param_per_step": sum(r[HOST_LINK] for r in ranks) / params / max(steps, 1),
             "host_link_bytes_per_rank": [r[HOST_LINK] for r in ranks],
+            "time_s": {"compute": max(seconds - storage - update, 0.0), "storage": storage, "update": update},
         }
         if trainer.is_global_zero:
             print(format_summary(self.summary))
@@ -151,6 +162,15 @@ def _repartitioned(summary: dict[str, Any]) -> str:
     return f" from a checkpoint of {saved} rank(s), re-partitioned onto {ranks}" if saved and saved != ranks else ""
 
 
+def _time_line(summary: dict[str, Any]) -> str:
+    """What the traffic cost rank 0's training thread: its wall time split as the plot's right panel splits it."""
+    split, seconds = summary["time_s"], max(summary["seconds"], 1e-9)
+    labels = {"compute": "compute", "storage": "waiting on storage", "update": "update not hidden"}
+    parts = ", ".join(f"{label} {split[key]:.1f} s ({split[key] / seconds:.0%})" for key, label in labels.items())
+    moved = sum(summary.get("host_link_bytes_per_rank", []))
+    return f"  time:    {parts}; {moved / 2**30:.2f} GiB over the host link"
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     ranks = summary.get("ranks", 1)
     per_rank = summary.get("host_link_bytes_per_rank", [])
@@ -167,6 +187,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         + (f", summed over {ranks} ranks" if ranks > 1 else ""),
         *([f"  per rank:  {', '.join(f'rank {r} {n / 2**20:.1f} MiB' for r, n in enumerate(per_rank))}"]
           if ranks > 1 else []),
+        *([_time_line(summary)] if "time_s" in summary else []),
     ]  # fmt: skip
     for link_dir, kinds in summary["traffic_bytes"].items():
         parts = ", ".join(f"{kind} {n / 2**20:.1f} MiB" for kind, n in kinds.items())

@@ -28,6 +28,10 @@ def test_default_run_shortened(tmp_path: Path) -> None:
     placed = summary["summary"]["host_memory_placement"]
     assert re.search(r"gradients in RAM, .* of (\d+) of \1 subgroups in RAM", placed), placed
     assert "memory:  host memory budget" in done.stdout
+    # what the traffic cost: the run's time split as the plot splits it, and the bytes each logged step moved
+    assert re.search(r"time: +compute [\d.]+ s \(\d+%\), waiting on storage [\d.]+ s", done.stdout), done.stdout
+    assert set(summary["summary"]["time_s"]) == {"compute", "storage", "update"}
+    assert "host_read_MB" in (summary_path.parent / "logs" / "metrics.csv").read_text().splitlines()[0]
 
     periodic = summary_path.parent / "checkpoints"  # step 4 (kept) and the final step 6
     resume = [*cmd[:3], "trainer.max_steps=8", "trainer.limit_val_batches=2", *cmd[7:],
