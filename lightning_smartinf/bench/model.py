@@ -1,18 +1,18 @@
-"""A performance model of systems (a)-(e) on any hardware: what ``smartinf-plan`` prints and docs/ validates.
+"""Systems (a)-(e) described in the terms of the one time model (``schedule/timing.py``) for ``smartinf-plan``.
 
-Per iteration of P parameters (P_s of them streamed), T tokens in M micro-batches, mixed-precision Adam:
+Per iteration of P parameters (P_s of them streamed), T tokens in M micro-batches, mixed-precision Adam, this module
+gives each system's bytes and choices; the time is ``timing.predict``'s, the same that ``schedule=auto`` plans with:
 
     storage      R = min(ssds x read, host link),  W = min(ssds x write, host link)   (RAID-0 behind one link)
-    compute      c x P x T / (gpus x FLOP/s)        c = 6, or 8 where the block forward is recomputed
+    compute      6 FLOP/param/token where graphs are kept (ZeRO-Infinity's (a)), 8 where every block's forward is
+                 recomputed in backward
     params       2 B x P_s read in forward and in backward: x M (horizontal) or x 1 (vertical); a frozen base's
                  F streamed parameters likewise, at their own itemsize, with no step (LoRA: P is the adapters)
     host step    12 B/param read, 12 + 2 B/param written (master, m, v; new 16-bit params), CPU Adam alongside
     smart step   8 B/param over the host link (fp32 gradient out, fp32 parameter back; SmartComp: ~0.06 + 4),
                  16 B read + 12 B written per param inside each device, P / k params per device
-    iteration    (a):        compute + params + step                           (ZeRO-Infinity: phases in turn)
-                 (b):        max(compute, params) + step                       (prefetch hides one of the two)
-                 (c)-(e):    max(disk total, max(compute, params) + step - hidden)
-                             hidden = min(step, forward) : the step overlaps the next forward (overlap = 1)
+    (a)          phases in turn (ZeRO-Infinity sits near their sum, docs/benchmarks.md); (b) horizontal;
+                 (c)-(e) vertical, the step behind the next forward (overlap 1)
 
 The storage devices are shared: under (c)-(e) all disk traffic of an iteration must also fit in it. The model has
 no fudge factors; docs/benchmarks.md compares it with smartinf-bench on this machine and says where it errs.
@@ -20,11 +20,13 @@ no fudge factors; docs/benchmarks.md compares it with smartinf-bench on this mac
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from lightning_smartinf.bench.systems import NAMES
 from lightning_smartinf.errors import ConfigError
+from lightning_smartinf.schedule.timing import Machine, Workload
+from lightning_smartinf.schedule.timing import predict as predict_time
 
 GB = 1e9
 
@@ -109,57 +111,54 @@ class Prediction:
     disk_bytes: float
 
 
+def machine_of(hw: Hardware) -> Machine:
+    """The hardware as the time model reads it (bytes/s, FLOP/s, parameters/s). Disk room is not described: the
+    checkpoints and kept graphs of a plan are taken to fit."""
+    link = hw.host_link * GB
+    return Machine(
+        flops=hw.gpus * hw.tflops * 1e12, disk_read=min(hw.ssds * hw.ssd_read * GB, link),
+        disk_write=min(hw.ssds * hw.ssd_write * GB, link), update_params_per_s=hw.host_update * 1e9,
+        device_memory=int(hw.gpu_memory_gb * GB), host_memory=int(hw.host_memory_gb * GB), graph_storage=2**62,
+        disk_mixed=min(hw.ssds * hw.ssd_mixed * GB, link), compute_io_overlap=hw.compute_io_overlap, host_link=link,
+        devices=hw.devices, device_internal=hw.device_internal * GB, device_update=hw.device_update * 1e9,
+        shared_disk=hw.shared_disk,
+    )  # fmt: skip
+
+
+def workload_of(system: str, job: Job, keep: float = 0.01) -> Workload:
+    """System ``system``'s bytes for ``job`` (``keep``: SmartComp's share of gradient values sent, for (e))."""
+    p = job.params
+    streamed = job.params if system == "a" else job.streamed  # ZeRO-3 swaps the embeddings too
+    param_bytes = 2 * streamed + job.frozen_itemsize * job.frozen
+    per_micro_batch = round(job.hidden_bytes_per_token * job.tokens / job.micro_batches)  # activation checkpoints
+    base = Workload(round(p), round(param_bytes), 0, 0, round(job.tokens), job.micro_batches, per_micro_batch,
+                    frozen_params=round(job.frozen + job.frozen_resident))  # fmt: skip
+    if system in ("a", "b", "c"):
+        state = (12 if system == "a" else job.state_bytes) * p
+        return replace(base, step_read_bytes=round(state), step_write_bytes=round(state + 2 * p))
+    grads = (keep * (4 + 2) if system == "e" else 4) * p
+    return replace(base, step_write_bytes=round(2 * p), near_storage=True, link_bytes=round(grads + 4 * p),
+                   device_read_bytes=round(16 * p), device_write_bytes=round(12 * p))
+
+
 def predict(system: str, job: Job, hw: Hardware, keep: float = 0.01, vertical: bool | None = None) -> Prediction:
     """``vertical`` overrides the system's schedule (Smart-Infinity's own runs are horizontal)."""
-    p, t, m = job.params, job.tokens, job.micro_batches
-    read = min(hw.ssds * hw.ssd_read, hw.host_link) * GB
-    write = min(hw.ssds * hw.ssd_write, hw.host_link) * GB
-    mixed = min(hw.ssds * hw.ssd_mixed, hw.host_link) * GB
-
-    def disk_time(r: float, w: float) -> float:
-        return (r + w) / mixed if mixed else r / read + w / write
-
-    flops = hw.gpus * hw.tflops * 1e12
-    compute = (6 if system == "a" else 8) * job.model_params * t / flops
+    work, machine = workload_of(system, job, keep), machine_of(hw)
+    if hw.shared_disk and work.near_storage:  # the devices' state on the host's disk: 12 B/param each way
+        work.device_read_bytes = work.device_write_bytes = round(12 * job.params)
     vertical = system in ("c", "d", "e") if vertical is None else vertical
-    streamed = job.params if system == "a" else job.streamed  # ZeRO-3 swaps the embeddings too
-    param_bytes = 2 * (2 * streamed + job.frozen_itemsize * job.frozen) * (1 if vertical else m)
-    params_io = disk_time(param_bytes, 0.0)
-    if system in ("a", "b", "c"):
-        state = 12 * p if system == "a" else job.state_bytes * p
-        step_read, step_write = state, state + 2 * p
-        step_io, host_update = disk_time(step_read, step_write), p / (hw.host_update * 1e9)
-        step = max(step_io, host_update)
-        host_link = param_bytes + step_read + step_write
-        disk_read, disk_write = param_bytes + step_read, step_write
-        parts = {"compute": compute, "params_io": params_io, "step_io": step_io, "host_update": host_update}
+    parts = predict_time(work, machine, vertical, job.micro_batches, 1.0 if vertical else 0.0,
+                         keep=1.0 if system == "a" else 0.0, in_turn=system == "a")  # fmt: skip
+    reads = 2 * work.streamed_param_bytes * (1 if vertical else job.micro_batches)
+    if work.near_storage:
+        host_link = reads + work.link_bytes + work.step_write_bytes
+        disk = reads + work.step_write_bytes + (work.device_read_bytes + work.device_write_bytes if hw.shared_disk
+                                                else 0)  # fmt: skip
     else:
-        grads = (keep * (4 + 2) if system == "e" else 4) * p
-        wire = grads + 4 * p  # gradients out, fp32 parameters back
-        k = max(hw.devices, 1)
-        internal = 28 * p / k / (hw.device_internal * GB)
-        if hw.shared_disk:  # the devices' "internal" traffic (state; gradients come from host memory) is the disk's
-            internal = disk_time(12 * p, 12 * p)
-        update = p / k / (hw.device_update * 1e9)
-        params_write = 2 * p / write
-        step = max(wire / (hw.host_link * GB), internal, update) + params_write
-        host_link = param_bytes + wire + 2 * p
-        disk_read = param_bytes + (12 * p if hw.shared_disk else 0)
-        disk_write = 2 * p + (12 * p if hw.shared_disk else 0)
-        parts = {"compute": compute, "params_io": params_io, "host_link": wire / (hw.host_link * GB),
-                 "device_internal": internal, "device_update": update, "params_write": params_write}  # fmt: skip
-    forward_backward = max(compute, params_io) if hw.compute_io_overlap else compute + params_io
-    if vertical:
-        hidden = min(step, compute / 4) if hw.compute_io_overlap else 0.0  # the step overlaps the next forward
-        disk_total = disk_time(disk_read, disk_write)
-        seconds = max(disk_total, forward_backward + step - hidden)
-        parts["step_hidden"] = hidden
-    elif system == "a":  # ZeRO-Infinity sits near the sum of its phases (docs/benchmarks.md)
-        seconds = compute + params_io + step
-    else:
-        seconds = forward_backward + step
-    bottleneck = max((v, k) for k, v in parts.items() if k != "step_hidden")[1]
-    return Prediction(system, seconds, parts, bottleneck, host_link, disk_read + disk_write)
+        host_link = disk = reads + work.step_read_bytes + work.step_write_bytes
+    shown = {k: v for k, v in parts.items() if k not in ("step", "step_hidden", "disk", "total", "graphs_io")}
+    bottleneck = max((v, k) for k, v in shown.items())[1]
+    return Prediction(system, parts["total"], parts, bottleneck, host_link, disk)
 
 
 def memory_needs(job: Job, hw: Hardware, system: str, layers: int, subgroup: int = 1 << 24) -> dict[str, float]:

@@ -33,7 +33,8 @@ from omegaconf import OmegaConf
 
 from lightning_smartinf.bench.systems import NAMES, SYSTEMS, Workload, deepspeed_config
 from lightning_smartinf.resources import asset_dir
-from lightning_smartinf.schedule.planner import Machine, probe_machine
+from lightning_smartinf.schedule.planner import probe_machine
+from lightning_smartinf.schedule.timing import Machine
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

@@ -6,7 +6,9 @@
     smartinf-plan --measure --compare smartinf_bench/benchmarks.json # predicted against smartinf-bench's measures
     smartinf-plan --hardware smart_infinity_a100 --sweep-devices 10 --plot devices.png
 
-The model and its assumptions: ``lightning_smartinf/bench/model.py``; validation and the papers: docs/benchmarks.md.
+The time model: ``lightning_smartinf/schedule/timing.py`` (the one ``schedule=auto`` plans with; system (c)'s plan is
+printed as ``schedule=auto`` would choose it); the systems' bytes: ``lightning_smartinf/bench/model.py``; validation
+and the papers: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -24,11 +26,22 @@ import psutil
 import torch
 from omegaconf import OmegaConf
 
-from lightning_smartinf.bench.model import GB, MODELED, Hardware, Job, describe, memory_needs, predict
+from lightning_smartinf.bench.model import (
+    GB,
+    MODELED,
+    Hardware,
+    Job,
+    describe,
+    machine_of,
+    memory_needs,
+    predict,
+    workload_of,
+)
 from lightning_smartinf.bench.systems import NAMES, Workload
 from lightning_smartinf.cli.bench import recipe_model, run_one
 from lightning_smartinf.resources import asset_dir
-from lightning_smartinf.schedule.planner import probe_machine
+from lightning_smartinf.schedule import timing
+from lightning_smartinf.schedule.planner import Plan, plan, probe_machine
 from lightning_smartinf.update import quant8
 
 matplotlib.use("Agg")
@@ -119,6 +132,13 @@ def measure(nvme_path: Path, devices: int) -> Hardware:
                     host_link=50.0, host_update=host_update, devices=devices, device_internal=m.disk_read / GB,
                     device_update=device_update, shared_disk=True, compute_io_overlap=False,
                     ssd_mixed=mixed / GB)  # fmt: skip
+
+
+def auto_plan(work: timing.Workload, machine: timing.Machine, micro_batches: int) -> Plan:
+    """What ``schedule=auto`` decides for system (c) with ``micro_batches`` batches accumulated per step: the
+    planner's own search over the one time model (``schedule/timing.py``), for a workload and machine that
+    describe a recipe on hardware rather than measure a running engine."""
+    return plan(work, machine, choices=[micro_batches])
 
 
 def settings_for(system: str, hw: Hardware, seq: int, micro_batch: int, micro_batches: int) -> str:
@@ -227,6 +247,9 @@ def main(argv: list[str] | None = None) -> None:
     systems = [s for s in MODELED if hw.devices > 0 and hw.device_update > 0 or s in ("a", "b", "c")]
     predictions = [predict(s, job, hw) for s in systems]
     print(describe(predictions, job))
+    auto = auto_plan(workload_of("c", job), machine_of(hw), job.micro_batches)
+    print(f"\n(c) as schedule=auto plans it with trainer.accumulate_grad_batches={job.micro_batches}:\n  "
+          f"{auto.describe()}")  # fmt: skip
     best = min(predictions, key=lambda x: x.seconds)
     print(f"\nrecommended: ({best.system}) {NAMES[best.system]} ({best.seconds:.2f} s/iteration, bound by "
           f"{best.bottleneck})")  # fmt: skip

@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import shutil
 import sys
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psutil
@@ -19,16 +21,8 @@ from lightning_smartinf.config import ScheduleConfig
 from lightning_smartinf.errors import ConfigError
 from lightning_smartinf.schedule.kept import activation_bytes
 from lightning_smartinf.schedule.parked import ParkedVertical
-from lightning_smartinf.schedule.planner import (
-    Machine,
-    Plan,
-    Workload,
-    kept_share,
-    measure_machine,
-    plan,
-    predict,
-    spilled_share,
-)
+from lightning_smartinf.schedule.planner import Plan, kept_share, measure_machine, plan, spilled_share
+from lightning_smartinf.schedule.timing import Machine, Workload, predict
 from lightning_smartinf.schedule.vertical import CheckpointTiers, VerticalSchedule, has_protocol
 from lightning_smartinf.schedule.window import tokens_of
 from lightning_smartinf.update import quant8
@@ -55,8 +49,14 @@ def workload_of(engine: OffloadEngine, batch: Any, checkpoint_bytes_per_sample: 
     grads_on_disk = engine.cfg.grads == "nvme" and not engine.placement.grads
     grad_read = 4 * local if grads_on_disk else 0
     params_write = engine.itemsize * (local - placed) if engine.cfg.params == "nvme" else 0
-    if isinstance(engine.updater, SmartUpdater):  # gradients out, parameters back; state stays in the devices
-        step_read, step_write = 4 * local, 4 * local + params_write
+    near = isinstance(engine.updater, SmartUpdater)
+    link = device_read = device_write = 0
+    if near:  # gradients out, fp32 parameters back over the link; the devices read gradient and state, write state
+        state = round((4 + states * quant8.bytes_per_element(engine.cfg.state_precision)) * local)
+        ratio = 1.0 if engine.compressor is None else engine.compressor.summary()["wire_ratio"]
+        grads = round(4 * local * ratio)
+        link, device_read, device_write = grads + 4 * local, grads + state, state
+        step_read, step_write = 0, params_write
     else:  # gradient, master and state in; master and state out; 16-bit params out
         on_disk = local - sum(sg.numel for sg in engine.layout.subgroups if sg.key in engine.placement.state)
         state = round((4 + states * quant8.bytes_per_element(engine.cfg.state_precision)) * on_disk)
@@ -67,9 +67,13 @@ def workload_of(engine: OffloadEngine, batch: Any, checkpoint_bytes_per_sample: 
         tokens = sequences * max(batch.shape[1] - 1, 1) if batch.dim() > 1 else sequences
     else:
         sequences, tokens = tokens_of(batch)
-    resident = engine.layout.resident.numel if resident_forward_s else 0
+    resident = engine.layout.resident.numel if resident_forward_s else 0  # else timed at the block rate
+    frozen = engine.frozen_layout.num_params - (engine.frozen_layout.resident.numel if resident_forward_s else 0)
     return Workload(params, streamed, step_read, step_write, tokens, sequences, checkpoint_bytes_per_sample,
-                    len(engine.layout.streamed), kept_block_bytes, resident, resident_forward_s)  # fmt: skip
+                    blocks=len(engine.layout.streamed), kept_block_bytes=kept_block_bytes, resident_params=resident,
+                    resident_forward_s=resident_forward_s, frozen_params=frozen,
+                    near_storage=near, link_bytes=link, device_read_bytes=device_read,
+                    device_write_bytes=device_write)  # fmt: skip
 
 
 def update_rate(engine: OffloadEngine, numel: int = 1 << 21) -> float:
@@ -166,8 +170,21 @@ def probe_size(work: Workload) -> int:
 def measure(engine: OffloadEngine, work: Workload) -> Machine:
     """This machine's speeds and memory limits as the engine sees them (its device, its disk through its backend, its
     optimizer's update rate), the disk probe sized to ``work``."""
-    return measure_machine(engine.device, engine.root, engine.backend, update_rate(engine), engine.param_dtype,
-                           memory_budget(engine.device), memory_budget(torch.device("cpu")), probe_size(work))
+    machine = measure_machine(engine.device, engine.root, engine.backend, update_rate(engine), engine.param_dtype,
+                              memory_budget(engine.device), memory_budget(torch.device("cpu")), probe_size(work))
+    if isinstance(engine.updater, SmartUpdater):  # each device updates at the host's rate at most, on its directory
+        machine.devices = len(engine.updater.devices)
+        machine.device_update = machine.update_params_per_s
+        machine.shared_disk = any(same_disk(d.directory, engine.root) for d in engine.updater.devices)
+        if not machine.shared_disk:
+            machine.device_internal = machine.disk_read
+    return machine
+
+
+def same_disk(path: Path, other: Path) -> bool:
+    """Whether two directories lie on one file system (a near-storage device's state on the host's own disk, as
+    PoCL devices keep it, shares the disk's bandwidth with everything else)."""
+    return os.stat(path).st_dev == os.stat(other).st_dev
 
 
 def plan_schedule(engine: OffloadEngine, vertical_pre: Callable[[torch.Tensor], torch.Tensor],
@@ -210,7 +227,7 @@ def plan_parked(engine: OffloadEngine, batch: Any, micro_batches: int) -> Plan:
     parts = predict(work, machine, True, micro_batches, 1.0, keep, spill)
     overlap = 1.0 if parts["step"] else 0.0  # never slower: each block waits only for its own update
     return Plan(micro_batches, overlap, 0.0, 0.0, parts["total"], parts, keep_bytes=keep_bytes,
-                spill_activations=spill)  # fmt: skip
+                spill_activations=spill, workload=work, machine=machine)  # fmt: skip
 
 
 def estimated_graph_bytes(engine: OffloadEngine, tokens: int) -> int:

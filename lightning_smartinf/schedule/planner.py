@@ -1,27 +1,18 @@
-"""A roofline planner for the vertical schedule: picks micro-batches, overlap and checkpoint placement.
+"""The planner of ``schedule=auto``: micro-batches, overlap, graph and checkpoint placement for the vertical schedule.
 
-Iteration time is modelled as the larger of compute and parameter streaming (they overlap through prefetch), plus
-the part of the optimizer step that does not hide behind the next forward pass:
+It searches the one time model (``schedule/timing.py``, which ``smartinf-plan`` predicts with too) over the divisors
+of the batch (or the micro-batch counts the user fixed):
 
-    t(M) = max(max(compute, disk) + step - overlap_window, disk + step I/O)
+- Kept graphs: GreedySnake recomputes nothing it can afford to keep; the planner keeps as many blocks' forward
+  graphs (measured bytes per block) as the activation memory holds. The rest are kept on storage
+  (schedule/spill.py) where that is predicted faster than recomputing them (the disk has time to spare beside
+  compute) and the disk has room for them; otherwise they recompute in backward.
+- Checkpoints (M x boundaries x hidden bytes) go to the device-memory budget; what does not fit goes to host
+  memory, then to storage. A choice whose checkpoints fit none of them is not taken; where no choice fits, the
+  plan is an error that names the bytes and the budgets.
 
-    compute         = (8 - 2 (k + s)) x params x tokens / FLOP/s
-                      (forward, backward, and the recompute of the blocks whose graphs are not kept: a share k is
-                      kept in memory, a share s on storage)
-    disk            = param_bytes(M) / disk_read + graph bytes / disk_write + graph bytes / disk_read
-    param_bytes(M)  = 2 x streamed 16-bit bytes         (vertical: once each way, any M)
-                    = 2 x M x streamed 16-bit bytes     (horizontal)
-    graph bytes     = s x blocks x one block's kept graph
-    step            = max(step I/O / disk, params / update rate)
-    overlap_window  = overlap x step, at most the next forward
-
-Kept graphs: GreedySnake recomputes nothing it can afford to keep; the planner keeps as many blocks' forward graphs
-(measured bytes per block) as the activation memory holds. The rest are kept on storage (schedule/spill.py) where
-that is predicted faster than recomputing them (the disk has time to spare beside compute) and the disk has room for
-them; otherwise they recompute in backward.
-Checkpoints (M x boundaries x hidden bytes) must fit in the device-memory budget; what does not fit goes to host
-memory, then to storage. GreedySnake solves a small linear program over the same quantities; with one disk and one
-device the choice reduces to this search over the divisors of the batch.
+GreedySnake solves a small linear program over the same quantities; with one disk and one device the choice reduces
+to this search.
 """
 
 from __future__ import annotations
@@ -33,47 +24,12 @@ from pathlib import Path
 
 import torch
 
+from lightning_smartinf.errors import ConfigError
+from lightning_smartinf.schedule.timing import Machine, Workload, predict
 from lightning_smartinf.storage.io import IOBackend
 from lightning_smartinf.storage.probe import probe_disk
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Machine:
-    """Measured speeds and limits (``measure_machine``), or a description of hardware we do not have."""
-
-    flops: float
-    disk_read: float
-    disk_write: float
-    update_params_per_s: float
-    device_memory: int
-    host_memory: int
-    activation_memory: int = 0
-    """Bytes kept forward graphs may take (on a CPU device, what ``offload.host_memory_budget`` leaves)."""
-    graph_storage: int = 0
-    """Bytes of disk kept graphs may take (free space under the state directory, less a margin)."""
-
-
-@dataclass
-class Workload:
-    params: int
-    streamed_param_bytes: int
-    step_read_bytes: int
-    step_write_bytes: int
-    tokens_per_batch: int
-    batch_size: int
-    checkpoint_bytes_per_sample: int
-    """Hidden-state bytes of one sequence summed over all block boundaries."""
-    blocks: int = 0
-    """Streamed blocks (each recomputed in backward unless its graph is kept)."""
-    kept_block_bytes: int = 0
-    """Bytes one streamed block's kept forward graph holds over the whole batch (0: unknown, keep none)."""
-    resident_params: int = 0
-    """Parameters outside the streamed blocks (embeddings, head, norms), timed apart in ``resident_forward_s``."""
-    resident_forward_s: float = 0.0
-    """Seconds of one forward of the resident layers and the loss over the whole batch, measured: a vocabulary-wide
-    head runs at its own rate, not a block's (0 with ``resident_params=0``: every parameter at the block rate)."""
 
 
 @dataclass
@@ -90,6 +46,9 @@ class Plan:
     spill_activations: float = 0.0
     """The share of blocks whose graphs are kept on storage (a module without the protocol: above 0, every graph
     the memory does not hold)."""
+    workload: Workload | None = None
+    """What it was planned for, and on what (``smartinf-plan`` predicts from the same two)."""
+    machine: Machine | None = None
 
     def describe(self) -> str:
         parts = ", ".join(f"{k} {v:.3f}s" for k, v in self.breakdown.items())
@@ -125,34 +84,16 @@ class Plan:
         return lines
 
 
-def predict(work: Workload, machine: Machine, vertical: bool, micro_batches: int, overlap: float,
-            keep: float = 0.0, spill: float = 0.0) -> dict[str, float]:  # fmt: skip
-    """Predicted seconds per iteration, and its parts (``keep``: the share of blocks whose graphs are kept in
-    memory; ``spill``: on storage)."""
-    # blocks: forward, the backward's recompute (unless kept) and backward at twice a forward; resident layers:
-    # forward and backward, never recomputed
-    forward = 2.0 * (work.params - work.resident_params) * work.tokens_per_batch / machine.flops
-    compute = (4.0 - keep - spill) * forward + 3.0 * work.resident_forward_s
-    reads = 2 * work.streamed_param_bytes * (1 if vertical else micro_batches)
-    params_io = reads / machine.disk_read
-    graph_bytes = spill * work.blocks * work.kept_block_bytes
-    graphs_io = graph_bytes / machine.disk_write + graph_bytes / machine.disk_read
-    step_io = work.step_read_bytes / machine.disk_read + work.step_write_bytes / machine.disk_write
-    step = max(step_io, work.params / machine.update_params_per_s)
-    hidden = min(overlap * step, forward + work.resident_forward_s)
-    disk = params_io + graphs_io
-    total = max(max(compute, disk) + step - hidden, disk + step_io)  # the disk serves one request at a time
-    return {"compute": compute, "params_io": params_io, "graphs_io": graphs_io, "step": step, "step_hidden": hidden,
-            "total": total}  # fmt: skip
-
-
 def checkpoint_placement(work: Workload, machine: Machine, micro_batches: int) -> tuple[float, float] | None:
-    """Fractions of each boundary's micro-batches in host memory and on storage, or None if nothing fits."""
+    """Fractions of each boundary's micro-batches in host memory and on storage, or None where they do not fit the
+    device budget, host memory and the disk's room together."""
     per_micro = work.checkpoint_bytes_per_sample * (work.batch_size // micro_batches)
     on_device = min(micro_batches, machine.device_memory // max(per_micro, 1))
     rest = micro_batches - on_device
     on_host = min(rest, machine.host_memory // max(per_micro, 1))
     on_nvme = rest - on_host
+    if on_nvme * per_micro > machine.graph_storage:
+        return None
     return on_host / micro_batches, on_nvme / micro_batches
 
 
@@ -178,8 +119,17 @@ def plan(work: Workload, machine: Machine, max_micro_batches: int = 16, choices:
         parts = predict(work, machine, True, m, 1.0, keep, spill)
         overlap = 1.0 if parts["step"] else 0.0  # never slower: each block waits only for its own update
         if best is None or parts["total"] < best.predicted_s * 0.98:  # prefer fewer micro-batches on near-ties
-            best = Plan(m, overlap, placement[0], placement[1], parts["total"], parts, keep, spill_activations=spill)
-    assert best is not None, "a batch always splits into one micro-batch"
+            best = Plan(m, overlap, placement[0], placement[1], parts["total"], parts, keep, spill_activations=spill,
+                        workload=work, machine=machine)  # fmt: skip
+    if best is None:
+        tried = choices or [m for m in range(1, min(max_micro_batches, work.batch_size) + 1) if not work.batch_size % m]
+        raise ConfigError(
+            f"schedule=auto: the activation checkpoints do not fit: {work.checkpoint_bytes_per_sample:,} B per sample "
+            f"x {work.batch_size} samples = {work.checkpoint_bytes_per_sample * work.batch_size:,} B per batch, "
+            f"against a device budget of {machine.device_memory:,} B, host memory of {machine.host_memory:,} B and "
+            f"{machine.graph_storage:,} B of disk room (micro-batches tried: {tried}); lower data.batch_size or "
+            "data.seq_len, or free disk space under offload.nvme_path"
+        )
     return best
 
 

@@ -11,9 +11,11 @@ import torch
 from helpers import fit, make_module, token_loader
 
 from lightning_smartinf.engine.planning import workload_of
+from lightning_smartinf.errors import ConfigError
 from lightning_smartinf.lightning.strategy import SmartInfinityStrategy
 from lightning_smartinf.schedule.kept import activation_bytes
-from lightning_smartinf.schedule.planner import Machine, Workload, kept_share, plan, predict
+from lightning_smartinf.schedule.planner import kept_share, plan
+from lightning_smartinf.schedule.timing import Machine, Workload, predict
 
 GB = 1e9
 
@@ -45,8 +47,17 @@ def test_plan_splits_the_batch_and_spills_checkpoints_when_memory_is_short() -> 
     w = workload()
     roomy = plan(w, machine())
     assert w.batch_size % roomy.micro_batches == 0 and roomy.checkpoint_host == roomy.checkpoint_nvme == 0.0
-    tight = plan(w, machine(memory=w.checkpoint_bytes_per_sample * 2))  # two samples' checkpoints per tier
-    assert tight.checkpoint_host + tight.checkpoint_nvme > 0.0
+    tight = machine(memory=w.checkpoint_bytes_per_sample * 2)  # two samples' checkpoints per tier
+    tight.graph_storage = w.checkpoint_bytes_per_sample * 4
+    chosen = plan(w, tight)
+    assert chosen.checkpoint_host + chosen.checkpoint_nvme > 0.0
+
+
+def test_a_plan_whose_checkpoints_fit_nowhere_is_an_error_naming_the_numbers() -> None:
+    w, full = workload(), machine(memory=workload().checkpoint_bytes_per_sample)  # one sample per tier, no disk
+    with pytest.raises(ConfigError, match=r"6,553,600 B per sample x 8 samples = 52,428,800 B per batch, against a "
+                       r"device budget of 6,553,600 B, host memory of 6,553,600 B and 0 B of disk room"):  # fmt: skip
+        plan(w, full)
 
 
 def test_kept_graphs_fill_the_activation_memory_and_shrink_the_compute() -> None:
