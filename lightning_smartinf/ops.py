@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_smartinf.errors import SetupError
+from lightning_smartinf.extras import available
 
 log = logging.getLogger(__name__)
 
@@ -115,10 +116,12 @@ def load_op(builder: Any) -> Any:
 
 def build_all() -> list[str]:
     """Compile (or load) every op the engine can use, in this process; returns the names of those that loaded."""
+    use_environment_extensions_dir()
+    loaded: list[str] = []
+    if not available("deepspeed"):
+        return loaded
     from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
 
-    use_environment_extensions_dir()
-    loaded = []
     for builder in (AsyncIOBuilder(), CPUAdamBuilder()):
         if builder.is_compatible(verbose=False):
             load_op(builder)

@@ -37,7 +37,7 @@ COMMON = frozenset({"torch", "typing_extensions"})
 """Third-party packages any layer may import."""
 
 LAYERS: tuple[Layer, ...] = (
-    Layer("ground", ("core", "errors", "trace", "resources", "memory", "ops"), (), ("psutil", "deepspeed"),
+    Layer("ground", ("core", "errors", "extras", "trace", "resources", "memory", "ops"), (), ("psutil", "deepspeed"),
           "Layout, Block, Subgroup, StepContext and the names of state kinds and links; errors; the span trace; "
           "package resources; pinned host memory; DeepSpeed's JIT-built ops"),
     Layer("config", ("config",), ("ground",), (), "the dataclasses behind the Hydra groups"),

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from lightning_smartinf.bench.systems import Workload, deepspeed_config, strategy_settings
 from lightning_smartinf.ecosystem import hf
+from lightning_smartinf.extras import require
 from lightning_smartinf.models.gpt import GPT, GPTConfig, GPTModule
 from lightning_smartinf.ops import use_environment_extensions_dir
 
@@ -93,7 +94,7 @@ def summarize(samples: list[Sample], warmup: int, w: Workload, extra: dict[str, 
 
 
 def run_deepspeed(w: Workload, disk: str | None) -> dict[str, Any]:
-    import deepspeed
+    deepspeed = require("deepspeed", "smartinf-bench's baseline (a), DeepSpeed ZeRO-Infinity")
     from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
     use_environment_extensions_dir()  # DeepSpeed builds its ops in this environment's cache, as the engine does

@@ -26,18 +26,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import matplotlib
 import psutil
 import torch
 from omegaconf import OmegaConf
 
+from lightning_smartinf import extras
 from lightning_smartinf.bench.systems import NAMES, SYSTEMS, Workload, deepspeed_config
 from lightning_smartinf.resources import asset_dir
 from lightning_smartinf.schedule.planner import probe_machine
 from lightning_smartinf.schedule.timing import Machine
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 
 PRESETS = {
     "quick": {"recipe": "gpt_125m", "seq": 256, "micro_batch": 1, "micro_batches": 4, "steps": 2, "reps": 1},
@@ -154,6 +151,7 @@ def report(results: dict[str, dict[str, Any]], compute: float, update: float, w:
 def plot(results: dict[str, dict[str, Any]], w: Workload, path: Path, compute: float) -> None:
     systems = list(results)
     tokens = [w.tokens_per_step / results[s]["seconds_per_step"] for s in systems]
+    plt = extras.pyplot("smartinf-bench's plot")
     fig, ax = plt.subplots(figsize=(8, 4))
     colors = ["#888", "#dd8452", "#4c72b0", "#55a868", "#c44e52", "#8172b2"]
     bars = ax.bar([f"({s}) {NAMES[s]}" for s in systems], tokens, color=colors[: len(systems)])

@@ -21,13 +21,10 @@ import json
 import re
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+from lightning_smartinf import extras
 from lightning_smartinf.cli.config import TrainConfig, register_configs  # noqa: E402
 from lightning_smartinf.cli.train import run  # noqa: E402
 from lightning_smartinf.resources import asset_dir  # noqa: E402
@@ -113,6 +110,7 @@ def main() -> None:
     print(table)
     (out / "convergence.md").write_text(table + "\n")
     (out / "convergence.json").write_text(json.dumps(results, indent=2))
+    plt = extras.pyplot("smartinf-convergence's plot")
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, r in results.items():
         steps, losses = zip(*r["curve"], strict=True)

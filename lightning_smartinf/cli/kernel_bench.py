@@ -18,6 +18,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from lightning_smartinf.extras import require
+
 BYTES_PER_PARAM = 32
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
@@ -33,7 +35,7 @@ def adam_state(n: int) -> list[np.ndarray]:
 
 
 def opencl_adam(n: int, platform: str) -> Callable[[int], None]:
-    import pyopencl as cl
+    cl = require("pyopencl", "smartinf-kernel-bench's OpenCL kernels")
 
     from lightning_smartinf.update.arguments import kernel_scalars
     from lightning_smartinf.update.opencl import DeviceSpec, launch_shape, open_device

@@ -21,11 +21,11 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-import matplotlib
 import psutil
 import torch
 from omegaconf import OmegaConf
 
+from lightning_smartinf import extras
 from lightning_smartinf.bench.model import (
     GB,
     MODELED,
@@ -43,9 +43,6 @@ from lightning_smartinf.resources import asset_dir
 from lightning_smartinf.schedule import timing
 from lightning_smartinf.schedule.planner import Plan, plan, probe_machine
 from lightning_smartinf.update import quant8
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 
 
 def job_of(model: dict[str, Any], seq: int, micro_batch: int, micro_batches: int) -> Job:
@@ -186,6 +183,7 @@ def sweep_devices(job: Job, hw: Hardware, most: int, plot: Path | None) -> str:
         comps.append(base / comp)
         lines.append(f"| {k} | {base:.2f} | {smart:.2f} | {base / smart:.2f}x | {base / comp:.2f}x |")
     if plot is not None:
+        plt = extras.pyplot("smartinf-plan --plot")
         fig, ax = plt.subplots(figsize=(6, 3.5))
         ax.plot(xs, ups, "o-", label="SmartUpdate")
         ax.plot(xs, comps, "s-", label="SmartUpdate + SmartComp")

@@ -8,10 +8,7 @@ import csv
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from lightning_smartinf.extras import pyplot
 
 
 def _series(rows: list[dict[str, str]], key: str) -> tuple[list[int], list[float]]:
@@ -35,6 +32,7 @@ def _stacked(ax: Any, rows: list[dict[str, str]], series: tuple[tuple[str, str, 
 
 
 def plot_run(metrics_csv: Path, out_png: Path, title: str) -> Path:
+    plt = pyplot("the run's plot")
     with metrics_csv.open() as f:
         rows = list(csv.DictReader(f))
     fig, (loss_ax, io_ax, bytes_ax) = plt.subplots(1, 3, figsize=(16, 4))

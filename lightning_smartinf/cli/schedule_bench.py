@@ -27,16 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import matplotlib
 import torch
 from torch.utils.data import DataLoader
 
+from lightning_smartinf import extras
 from lightning_smartinf.lightning.strategy import SmartInfinityStrategy
 from lightning_smartinf.models.gpt import GPTConfig, GPTModule
 from lightning_smartinf.storage.probe import probe_disk
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 
 MODES: dict[str, dict[str, Any]] = {
     "horizontal": {},
@@ -181,6 +178,7 @@ def main() -> None:
     print(table)
     (out / "schedule_bench.md").write_text(table + "\n")
     (out / "schedule_bench.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    plt = extras.pyplot("smartinf-schedule-bench's plot")
     fig, ax = plt.subplots(figsize=(7, 4))
     for mode in modes:
         ax.plot(args.micro_batches, [results[mode][m]["tokens_per_s"] for m in args.micro_batches], "o-", label=mode)

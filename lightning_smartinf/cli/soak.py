@@ -27,6 +27,8 @@ from pathlib import Path
 
 import psutil
 
+from lightning_smartinf import extras
+
 SERIES = {"rss_mib": "resident memory (MiB)", "fds": "open file descriptors", "threads": "threads",
           "disk_mib": "state + checkpoints on disk (MiB)"}  # fmt: skip
 
@@ -133,11 +135,7 @@ def soak(out: Path, minutes: float, interval: float, warmup: float, overrides: l
 
 
 def plot(report: SoakReport, path: Path, warmup_s: float) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = extras.pyplot("smartinf-soak's plot")
     fig, axes = plt.subplots(2, 2, figsize=(10, 6), sharex=True)
     minutes = [s.t / 60 for s in report.samples]
     for ax, (key, label) in zip(axes.flat, SERIES.items(), strict=True):

@@ -26,6 +26,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_smartinf import extras
 from lightning_smartinf.checkpoint.manifest import MANIFEST, choose_checkpoint
 from lightning_smartinf.cli.config import TrainConfig, register_configs
 from lightning_smartinf.cli.models import choose_model
@@ -195,7 +196,8 @@ def run(cfg: TrainConfig, out_dir: Path, explicit: frozenset[str] = frozenset())
     if not trainer.is_global_zero:  # rank 0 logs, plots and reports for the run
         return None
     logged = metrics_csv.is_file()  # a run shorter than trainer.log_every_n_steps, without validation, logs nothing
-    plot = plot_run(metrics_csv, out_dir / "curves.png", f"{cfg.recipe_name}: smart_infinity") if logged else None
+    plotting = logged and extras.available("matplotlib")
+    plot = plot_run(metrics_csv, out_dir / "curves.png", f"{cfg.recipe_name}: smart_infinity") if plotting else None
     result: dict[str, object] = {
         "recipe": cfg.recipe_name,
         "val_loss": val[0].get("val_loss") if val else None,
@@ -205,6 +207,7 @@ def run(cfg: TrainConfig, out_dir: Path, explicit: frozenset[str] = frozenset())
         "model": str(model_dir) if model_dir is not None else None,
         "metrics": str(metrics_csv) if logged else None,
         "plot": str(plot) if plot is not None else None,
+        "no_plot": None if plot is not None or not logged else extras.missing("matplotlib", "the run's plot"),
         "state_dir": ", ".join(str(Path(p).resolve()) for p in cfg.offload.paths),
     }
     (out_dir / "summary.json").write_text(json.dumps(result, indent=2, default=str))
@@ -231,7 +234,8 @@ def _main(raw: DictConfig) -> None:
     print(f"offloaded state: {result['state_dir']}")
     nothing = f"none (nothing logged: fewer steps than trainer.log_every_n_steps={cfg.trainer.log_every_n_steps})"
     print(f"metrics:         {result['metrics'] or nothing}")
-    print(f"plot:            {result['plot'] or nothing}")
+    no_plot = f"none ({result['no_plot']})" if result["no_plot"] else nothing
+    print(f"plot:            {result['plot'] or no_plot}")
     print(f"summary:         {out_dir / 'summary.json'}")
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_smartinf import trace
+from lightning_smartinf import extras, trace
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,8 @@ class Trace(pl.Callback):
         io = tracer.io_summary(first, last)
         self.summary = {"iterations": n, "seconds_per_iteration": (last - first) / 1e9 / n, "phases": phases,
                         "io": io, "io_cpu": tracer.cpu_work(first, last), "trace": str(tracer.write(self.path)),
-                        "plot": str(plot_timeline(tracer, first, last, self.path.with_suffix(".png")))}  # fmt: skip
+                        "plot": str(plot_timeline(tracer, first, last, self.path.with_suffix(".png")))
+                        if extras.available("matplotlib") else None}  # fmt: skip
         log.info("%s", format_summary(self.summary))
 
 
@@ -77,11 +78,7 @@ COLORS = {"compute": "#4c72b0", "recompute": "#8172b2", "wait": "#c44e52", "upda
 
 def plot_timeline(tracer: trace.Tracer, start_ns: int, end_ns: int, path: Path) -> Path:
     """The traced iterations as a picture: one row per thread (training thread on top), spans by category."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = extras.pyplot("the timeline's plot")
     tids = [tracer.main_tid] + sorted(t for t in tracer.threads if t != tracer.main_tid)
     rows = {tid: i for i, tid in enumerate(tids)}
     fig, ax = plt.subplots(figsize=(12, 0.45 * len(tids) + 1.5))

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from lightning_smartinf.errors import ConfigError, SetupError, ShortReadError, StorageError
+from lightning_smartinf.extras import available, missing
 from lightning_smartinf.ops import load_op
 from lightning_smartinf.storage.aligned import ALIGNMENT, Allocator, PageAligned, align_up, aligned_bytes
 from lightning_smartinf.trace import traced_io
@@ -368,7 +369,11 @@ def make_backend(
         if kind == "aio":
             raise ConfigError(f"offload.io_backend=aio needs O_DIRECT, which {directory} does not support")
         return ThreadPoolIO(threads, direct=False)
-    if kind in ("auto", "aio"):
+    if kind in ("auto", "aio") and not available("deepspeed"):
+        if kind == "aio":
+            raise ConfigError(missing("deepspeed", "offload.io_backend=aio (DeepSpeed's libaio op)"))
+        log.info("%s; using the thread-pool backend", missing("deepspeed", "DeepSpeed's libaio I/O"))
+    elif kind in ("auto", "aio"):
         try:
             return DeepSpeedAIO(directory, threads, intra_op_parallelism, block_size, queue_depth)
         except Exception as err:  # noqa: BLE001 - the op may fail to compile; fall back unless it was demanded

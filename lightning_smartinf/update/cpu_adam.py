@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from lightning_smartinf.errors import SetupError
+from lightning_smartinf.errors import ConfigError, SetupError
+from lightning_smartinf.extras import available, missing
 from lightning_smartinf.ops import load_op
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,11 @@ class DeepSpeedCPUAdamKernel:
 def load_cpu_adam(choice: str) -> DeepSpeedCPUAdamKernel | None:
     """The DeepSpeed kernel for ``update.host_adam`` (``auto``/``deepspeed``), or None for torch's."""
     if choice == "torch":
+        return None
+    if not available("deepspeed"):
+        if choice == "deepspeed":
+            raise ConfigError(missing("deepspeed", "update.host_adam=deepspeed"))
+        log.info("%s; the host update uses torch's Adam", missing("deepspeed", "DeepSpeed's CPU Adam"))
         return None
     try:
         return DeepSpeedCPUAdamKernel()

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from lightning_smartinf.errors import ConfigError, SetupError
+from lightning_smartinf.extras import require
 from lightning_smartinf.resources import asset_dir
 
 KERNEL_SOURCE = "optimizers.cl"
@@ -24,6 +25,8 @@ QUANT_SOURCE = "quant8.cl"
 """8-bit optimizer state's kernels (update/device_state.py)."""
 _SIGNATURE = re.compile(r"__kernel\s+void\s+(\w+)\s*\(([^)]*)\)")
 
+
+SMART_NEEDS = "update=smart (the near-storage devices run OpenCL)"
 
 def kernel_signatures(source_name: str) -> dict[str, tuple[str, ...]]:
     """Each ``__kernel``'s parameter names, in order, as ``fpga_kernels/<source_name>`` declares them."""
@@ -88,7 +91,7 @@ def ensure_pocl_devices(count: int) -> None:
 
 
 def _platforms() -> list[Any]:
-    import pyopencl as cl
+    cl = require("pyopencl", SMART_NEEDS)
 
     try:
         return list(cl.get_platforms())

@@ -27,6 +27,7 @@ from lightning_smartinf.compress.topk import VALUE_DTYPES, SparseGradient, TopKC
 from lightning_smartinf.config import CompressionConfig
 from lightning_smartinf.core import GRAD, HOST_LINK, MASTER, PARAM, Layout, StepContext, Subgroup, device_link
 from lightning_smartinf.errors import ConfigError
+from lightning_smartinf.extras import require
 from lightning_smartinf.storage.aligned import Allocator, align_up, aligned_bytes, typed_view
 from lightning_smartinf.storage.counters import READ, WRITE, TrafficCounters
 from lightning_smartinf.storage.store import FileStore, RoutedStore
@@ -36,6 +37,7 @@ from lightning_smartinf.update.base import GradientSource
 from lightning_smartinf.update.device_state import DeviceQuantizer
 from lightning_smartinf.update.opencl import (
     KERNEL_SOURCE,
+    SMART_NEEDS,
     SPARSE_SOURCE,
     DeviceSpec,
     NamedKernel,
@@ -177,7 +179,7 @@ class NearStorageDevice:
                  outbox: queue.Queue[Outbound], precision: str = quant8.FP32) -> None:  # fmt: skip
         """``wire_dtype`` is both the gradient's dtype in and the parameters' dtype out; ``precision``: of the
         optimizer state in the device's files (``offload.state_precision``)."""
-        import pyopencl as cl
+        cl = require("pyopencl", SMART_NEEDS)
 
         grad_dtype = param_dtype = wire_dtype
 
