@@ -65,6 +65,6 @@ $PY -m lightning_smartinf.cli.bench "${BENCH[@]}" --out "$OUT/bench" --nvme-path
 log "4. report"
 REPORT=docs/gpu.md
 (( DRY )) && REPORT=$OUT/gpu.md
-$PY -m lightning_smartinf.cli.gpu_report "$OUT" --tests-status "$TESTS" --dry-run "$DRY" > "$REPORT"
+$PY -m smartinf_tools.gpu_report "$OUT" --tests-status "$TESTS" --dry-run "$DRY" > "$REPORT"
 log "wrote $REPORT"
 exit "$TESTS"

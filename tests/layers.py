@@ -68,14 +68,14 @@ LAYERS: tuple[Layer, ...] = (
     Layer("models", ("models.*", "data.*"), ("ground", "ecosystem", "checkpoint", "engine"),
           ("lightning", "safetensors", "numpy"),
           "the shipped GPT, HFCausalLM, the loss and optimizers they share; tokenizers, token caches, data modules"),
-    Layer("tools", ("cli.*", "bench.*", "__init__"), tuple(), ("lightning", "hydra", "omegaconf", "matplotlib",
-          "numpy", "psutil", "deepspeed", "pyopencl", "mfusepy"),
+    Layer("commands", ("cli.*", "bench.*", "__init__"), tuple(), ("lightning", "hydra", "omegaconf", "matplotlib",
+          "numpy", "psutil", "deepspeed", "pyopencl"),
           "the commands (smartinf-train, -bench, -export, ...), the benchmark worker, and the package root, which "
           "registers both strategies where Lightning is installed"),
 )
-"""Bottom first. ``tools`` may import every layer below it."""
+"""Bottom first. ``commands`` may import every layer below it."""
 
-LIGHTNING_LAYERS = frozenset({"lightning", "models", "tools"})
+LIGHTNING_LAYERS = frozenset({"lightning", "models", "commands"})
 
 
 def layer_of(module: str) -> Layer | None:
@@ -87,8 +87,8 @@ def layer_of(module: str) -> Layer | None:
 
 
 def allowed(layer: Layer) -> set[str]:
-    """Layers ``layer`` may import: itself and those it lists (``tools``: all)."""
-    if layer.name == "tools":
+    """Layers ``layer`` may import: itself and those it lists (``commands``: all)."""
+    if layer.name == "commands":
         return {other.name for other in LAYERS}
     return {layer.name, *layer.imports}
 
@@ -233,7 +233,7 @@ def render() -> str:
     rows = ["| layer | modules | may import | third-party |", "|---|---|---|---|"]
     for layer in reversed(LAYERS):
         names = ", ".join(f"`{m}`" for m in layer.modules)
-        below = "every layer" if layer.name == "tools" else ", ".join(layer.imports) or "nothing of the package"
+        below = "every layer" if layer.name == "commands" else ", ".join(layer.imports) or "nothing of the package"
         third = ", ".join(layer.third_party) or "-"
         rows.append(f"| **{layer.name}**: {layer.role} | {names} | {below} | {third} |")
     return "\n".join([BEGIN, *rows, END])

@@ -10,12 +10,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_ruff() -> None:
-    done = subprocess.run([sys.executable, "-m", "ruff", "check", "lightning_smartinf", "tests"], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "ruff", "check", "lightning_smartinf", "tools", "tests"], cwd=ROOT,
                           capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_mypy() -> None:
-    done = subprocess.run([sys.executable, "-m", "mypy", "lightning_smartinf"], cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True,
                           text=True)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr

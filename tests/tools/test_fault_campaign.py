@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightning_smartinf.cli.faults import Fault, RunRecord, outcome, table
+from smartinf_tools.faults import Fault, RunRecord, outcome, table
 
 MOUNT = Path("/runs/mount")
 RETRY = ("[WARNING] - smart_infinity: reading /runs/mount/state/master/sg000003 failed (...: the bytes read differ "

@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from lightning_smartinf.cli.soak import Sample, metrics, slope_per_hour
+from smartinf_tools.soak import Sample, metrics, slope_per_hour
 
 
 def test_slope_is_per_hour_and_ignores_noise_around_a_flat_line() -> None:

@@ -1,4 +1,4 @@
-"""``python -m lightning_smartinf.cli.faultfs SOURCE MOUNT``: a file system that fails on purpose, for the fault
+"""``python -m smartinf_tools.faultfs SOURCE MOUNT``: a file system that fails on purpose, for the fault
 campaign (``smartinf-faults``).
 
 A FUSE pass-through over the directory ``SOURCE``, mounted with ``direct_io`` so that every request reaches it,

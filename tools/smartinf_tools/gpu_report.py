@@ -1,4 +1,4 @@
-"""``python -m lightning_smartinf.cli.gpu_report OUT``: docs/gpu.md from what ``scripts/gpu_check.sh`` left in OUT
+"""``python -m smartinf_tools.gpu_report OUT``: docs/gpu.md from what ``scripts/gpu_check.sh`` left in OUT
 (the environment, the GPU-marked tests' outcome, smartinf-bench's table)."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ fault is retried or named, and none becomes a wrong value in the model.
 
 For each I/O backend (DeepSpeed's aio, the thread pool), each fault kind (an I/O error on a read or a write, a torn
 write, a read that returns wrong bytes) and all kinds mixed, and each seed: the state directory is a fault-injecting
-FUSE pass-through (``cli/faultfs.py``, mounted with ``direct_io`` so the O_DIRECT requests reach it) over a fresh
+FUSE pass-through (``faultfs.py``, mounted with ``direct_io`` so the O_DIRECT requests reach it) over a fresh
 directory; checkpoints go to the real disk. A run that stops on an error is finished from its last checkpoint on the
 real directory. The final fp32 weights are compared bit for bit with a run that saw no fault.
 
@@ -27,8 +27,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from lightning_smartinf.cli.chaos import chain_difference, final_weights, newest_step, train_command
-from lightning_smartinf.cli.faultfs import KINDS
+from smartinf_tools.chaos import chain_difference, final_weights, newest_step, train_command
+from smartinf_tools.faultfs import KINDS
 
 STATE_FILES = "state/*/sg*"
 """The faults' targets under the mount: the state files (not the planner's disk probe)."""
@@ -65,7 +65,7 @@ class FaultMount:
     def __init__(self, source: Path, mountpoint: Path, kinds: str, rate: float, limit: int, seed: int,
                  log: Path) -> None:  # fmt: skip
         self.mountpoint = mountpoint
-        self.cmd = [sys.executable, "-m", "lightning_smartinf.cli.faultfs", str(source), str(mountpoint),
+        self.cmd = [sys.executable, "-m", "smartinf_tools.faultfs", str(source), str(mountpoint),
                     f"--kinds={kinds}", f"--rate={rate}", f"--limit={limit}", f"--seed={seed}",
                     f"--include={STATE_FILES}", f"--log={log}"]  # fmt: skip
         self.output = log.with_suffix(".fuse.log")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lightning_smartinf.cli.gpu_report import report
+from smartinf_tools.gpu_report import report
 
 
 def test_report_gathers_environment_tests_and_bench(tmp_path: Path) -> None:

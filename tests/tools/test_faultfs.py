@@ -13,8 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from lightning_smartinf.cli.faultfs import Plan
+from smartinf_tools.faultfs import Plan
 
 BLOCK = 64 << 10
 
@@ -40,7 +39,7 @@ def mounted(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Pa
     source.mkdir()
     mount.mkdir()
     plan = request.node.get_closest_marker("plan").kwargs
-    proc = subprocess.Popen([sys.executable, "-m", "lightning_smartinf.cli.faultfs", str(source), str(mount),
+    proc = subprocess.Popen([sys.executable, "-m", "smartinf_tools.faultfs", str(source), str(mount),
                              f"--log={log}", *(f"--{k}={v}" for k, v in plan.items())],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
     deadline = time.monotonic() + 30

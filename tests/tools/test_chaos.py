@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from lightning_smartinf.cli.chaos import chain_difference, rank_plan, replay_legs
+from smartinf_tools.chaos import chain_difference, rank_plan, replay_legs
 
 
 def test_each_rank_count_accumulates_to_the_same_global_batch() -> None:
