@@ -55,7 +55,7 @@ def test_a_module_without_a_layer_or_with_a_forbidden_import_is_named_with_the_f
     wrong = "\n".join(layers.violations())
     assert "loose (" in wrong and "belongs to no layer: add it to LAYERS in tests/layers.py" in wrong
     assert "engine.bad (engine) imports lightning.strategy (lightning)" in wrong
-    assert "engine.bad (engine) imports lightning, which only lightning, models, tools may import" in wrong
+    assert "engine.bad (engine) imports lightning, which only lightning, models, commands may import" in wrong
 
 
 def _engine_writes(path: Path) -> list[str]:
