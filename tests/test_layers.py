@@ -25,6 +25,12 @@ def test_docs_show_the_table() -> None:
     assert layers.documented() == layers.render(), "run `python tests/layers.py --write` and commit docs/"
 
 
+def test_docs_show_the_codes_shape_as_it_is() -> None:
+    """docs/architecture.md's shape table is generated: a change to the code's shape regenerates it."""
+    shape = layers.documented(layers.SHAPE_BEGIN, layers.SHAPE_END)
+    assert shape == layers.render_shape(), "run `python tests/layers.py --write` and commit docs/"
+
+
 def test_the_checker_resolves_every_kind_of_import(tmp_path: Path) -> None:
     package = tmp_path / "engine"
     package.mkdir()
