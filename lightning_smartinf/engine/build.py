@@ -308,11 +308,14 @@ def build(model: nn.Module, optimizer: Optimizer | None, offload: OffloadConfig,
             grad_store = HostStore()
         grad_allocator = None if isinstance(grad_store, HostStore) else disk.allocator  # any page-locked one serves
         grads = GradientAccumulator(layout, grad_store, offload.step_lookahead, grad_allocator)
-        parts = EngineParts(rule, compression, DynamicLossScaler() if loss_scaling else None, counters,
-                            [m for _, m in block_list], layout, frozen_layout, frozen_dtype, itemsize,
-                            frozen_itemsize, partition, overlapped, StateFence(), materializer, directories, disk,
-                            roots[0], directories.backends[0], params, frozen, updater, grads,
-                            aligned_bytes(layout.max_block_numel * 4))  # fmt: skip
+        parts = EngineParts(
+            rule=rule, compression=compression, scaler=DynamicLossScaler() if loss_scaling else None,
+            counters=counters, block_modules=[m for _, m in block_list], layout=layout, frozen_layout=frozen_layout,
+            frozen_dtype=frozen_dtype, itemsize=itemsize, frozen_itemsize=frozen_itemsize, partition=partition,
+            overlapped=overlapped, fence=StateFence(), materializer=materializer, directories=directories, disk=disk,
+            root=roots[0], backend=directories.backends[0], params=params, frozen=frozen, updater=updater,
+            grads=grads, grad_flat=aligned_bytes(layout.max_block_numel * 4),
+        )  # fmt: skip
         parts.placement = place_in_host_memory(parts, offload.host_memory_budget, ranks_per_host, device,
                                                grad_tier is not None, state_tier is not None, frozen_tier is not None,
                                                param_tier is not None, offload.state_precision)  # fmt: skip

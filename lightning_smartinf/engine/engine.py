@@ -113,7 +113,32 @@ class OffloadEngine:
         parts = build(model, optimizer, offload, update, device, param_dtype, loss_scaling, compression, rank, world,
                       init_from, ranks_per_host, check)  # fmt: skip
         self.parts = parts
-        vars(self).update(vars(parts))  # the parts by name, as the annotations above list them
+        """The parts as build made them; each is also named below, once, for the code that runs with it."""
+        self.layout = parts.layout
+        self.frozen_layout = parts.frozen_layout
+        self.partition = parts.partition
+        self.materializer = parts.materializer
+        self.directories = parts.directories
+        self.disk = parts.disk
+        self.backend = parts.backend
+        self.root = parts.root
+        self.overlapped = parts.overlapped
+        self.fence = parts.fence
+        self.params = parts.params
+        self.frozen = parts.frozen
+        self.placement = parts.placement
+        self.updater = parts.updater
+        self.grads = parts.grads
+        self.counters = parts.counters
+        self.scaler = parts.scaler
+        self.rule = parts.rule
+        self.compression = parts.compression
+        self.block_modules = parts.block_modules
+        self.itemsize = parts.itemsize
+        self.frozen_itemsize = parts.frozen_itemsize
+        self.frozen_dtype = parts.frozen_dtype
+        self.grad_flat = parts.grad_flat
+        self.originals = parts.originals
         self.steps = StepRunner(parts.layout, parts.updater, parts.params, parts.grads, parts.overlapped,
                                 parts.fence) if parts.updater is not None else None  # fmt: skip
         self.hooks = BlockHooks(self, parts.block_modules)
