@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ from lightning_smartinf.engine.snapshot import planned_signature
 from lightning_smartinf.errors import ConfigError, HostMemoryError
 from lightning_smartinf.memory import host_available_bytes, release_free_heap
 from lightning_smartinf.schedule.horizontal import find_blocks
-from lightning_smartinf.storage.aligned import align_up, aligned_bytes
+from lightning_smartinf.storage.aligned import BufferPool, align_up, aligned_bytes, allocated_bytes
 from lightning_smartinf.storage.counters import TrafficCounters
 from lightning_smartinf.storage.io import IOBackend, IOSettings, backend_for
 from lightning_smartinf.storage.lock import StateLock
@@ -169,6 +169,61 @@ class EngineParts:
         return pools + (getattr(self.updater, "host_bytes", 0) or 0)
 
 
+class Sizes(Protocol):
+    """What the host memory budget is sized from: ``EngineParts`` once built, ``PlannedSizes`` before."""
+
+    rule: OptimizerRule | None
+    layout: Layout
+    frozen_layout: Layout
+    itemsize: int
+    frozen_itemsize: int
+
+    @property
+    def pool_bytes(self) -> int: ...
+
+
+@dataclass
+class PlannedSizes:
+    """``Sizes`` before the parts are made: the pools' bytes from their shapes (``planned_pool_bytes``)."""
+
+    rule: OptimizerRule | None
+    layout: Layout
+    frozen_layout: Layout
+    itemsize: int
+    frozen_itemsize: int
+    pool_bytes: int
+
+
+@dataclass(frozen=True)
+class Tiers:
+    """Which stores a host memory budget may split between RAM and disk."""
+
+    params: bool
+    frozen: bool
+    state: bool
+    grads: bool
+
+
+def planned_pool_bytes(layout: Layout, frozen_layout: Layout, itemsize: int, frozen_itemsize: int,
+                       rule: OptimizerRule | None, offload: OffloadConfig, update: UpdateConfig,
+                       compression: CompressionConfig, param_dtype: torch.dtype) -> int:  # fmt: skip
+    """``EngineParts.pool_bytes`` before any pool is made, from the shapes each part's pools will have."""
+    shapes = ParamStreamer.pool_shapes(layout, itemsize, offload.prefetch)
+    if frozen_itemsize:
+        shapes += ParamStreamer.pool_shapes(frozen_layout, frozen_itemsize, offload.prefetch)
+    shapes.append(GradientAccumulator.pool_shape(layout, offload.step_lookahead))
+    if rule is not None and update.backend == "host":
+        shapes.append(HostUpdater.pool_shape(rule, layout.max_subgroup_numel, offload.step_lookahead))
+    total = sum(BufferPool.planned_bytes(count, nbytes) for count, nbytes in shapes)
+    total += allocated_bytes(layout.max_block_numel * 4)  # grad_flat
+    if rule is not None and update.backend != "host":
+        wire = param_dtype if update.wire == "16bit" else torch.float32
+        sparse = compression if compression.kind == "topk" else None
+        total += SmartUpdater.planned_host_bytes(rule, len(device_specs(update.devices)), layout.max_subgroup_numel,
+                                                 wire, sparse, offload.state_precision)  # fmt: skip
+    return total
+
+
 def planned_storage_bytes(
     layout: Layout, rule: OptimizerRule | None, cfg: OffloadConfig, itemsize: int, state_here: bool,
     frozen: Layout | None = None, frozen_itemsize: int = 0,
@@ -273,35 +328,44 @@ def build(model: nn.Module, optimizer: Optimizer | None, offload: OffloadConfig,
         disk: FileStore | StripedStore = stores[0] if len(stores) == 1 else StripedStore(stores)
         partition, overlapped = Partition(layout), OverlappedStep(len(layout.blocks), device.type == "cpu")
         pin, on_disk = device.type == "cuda", offload.params == "nvme"
-        # the stores a placement may split between RAM and disk are built first, empty of RAM names, so that
-        # ``auto`` sees every buffer pool the engine allocates before it sizes the budget
+        # placement first: ``auto`` counts the buffer pools the engine is about to allocate (their shapes are known
+        # before any is made), then each store a placement splits between RAM and disk is built with its RAM names
         budget = offload.host_memory_budget
         placing = budget == "auto" or parse_bytes("offload.host_memory_budget", budget) > 0
-        param_tier = TieredStore(disk, HostStore(pin=pin), frozenset()) if placing and on_disk else None
-        param_store: TensorStore = param_tier or (disk if on_disk else HostStore(pin=pin))
+        host_update = rule is not None and update.backend == "host"
+        tiers = Tiers(params=placing and on_disk, frozen=placing and on_disk and frozen_dtype is not None,
+                      state=placing and host_update, grads=placing and offload.grads == "nvme" and
+                      (rule is None or host_update))  # fmt: skip
+        sizes = PlannedSizes(rule, layout, frozen_layout, itemsize, frozen_itemsize,
+                             planned_pool_bytes(layout, frozen_layout, itemsize, frozen_itemsize, rule, offload,
+                                                update, compression, param_dtype))  # fmt: skip
+        placement = place_in_host_memory(sizes, offload.host_memory_budget, ranks_per_host, device, tiers.grads,
+                                         tiers.state, tiers.frozen, tiers.params, offload.state_precision)  # fmt: skip
+        param_store: TensorStore = disk if on_disk else HostStore(pin=pin)
+        if tiers.params:
+            param_store = TieredStore(disk, HostStore(pin=pin), placement.params)
         allocator = disk.allocator if on_disk else None
         gather_group = dist.new_group() if world > 1 else None  # the streamer's all-gathers, apart
         params = ParamStreamer(layout, param_store, param_dtype, device, offload.prefetch, partition, allocator,
                                overlapped, gather_group)  # fmt: skip
-        frozen, frozen_tier = None, None
+        frozen = None
         if frozen_dtype is not None:  # read only: nothing to wait for, a gather group of its own under DP
             frozen_store: TensorStore = disk if on_disk else param_store
-            if placing and on_disk:
-                frozen_store = frozen_tier = TieredStore(disk, HostStore(pin=pin), frozenset())
+            if tiers.frozen:
+                frozen_store = TieredStore(disk, HostStore(pin=pin), placement.frozen)
             frozen = ParamStreamer(frozen_layout, frozen_store, frozen_dtype, device, offload.prefetch,
                                    Partition(frozen_layout), allocator, None,
                                    dist.new_group() if world > 1 else None, kind=FROZEN)  # fmt: skip
-        host_update = rule is not None and update.backend == "host"
-        state_tier = TieredStore(disk, HostStore(), frozenset()) if placing and host_update else None
+        state_tier = TieredStore(disk, HostStore(), placement.state) if tiers.state else None
         updater = None
         if rule is not None:
             updater = make_updater(rule, update, offload, layout, disk, roots[0], directories, state_tier,
                                    param_dtype, compression, device)  # fmt: skip
-        grad_tier: TieredStore | None = None
         if isinstance(updater, SmartUpdater) and offload.grads == "nvme":  # into the devices' own stores
             grad_store: TensorStore = updater.gradient_store()
-        elif offload.grads == "nvme" and placing:
-            grad_store = grad_tier = TieredStore(disk, HostStore(), frozenset())
+        elif tiers.grads:
+            in_ram = frozenset(sg.key for sg in layout.subgroups) if placement.grads else frozenset()
+            grad_store = TieredStore(disk, HostStore(), in_ram)
         elif offload.grads == "nvme":
             grad_store = disk
         else:
@@ -314,19 +378,8 @@ def build(model: nn.Module, optimizer: Optimizer | None, offload: OffloadConfig,
             frozen_dtype=frozen_dtype, itemsize=itemsize, frozen_itemsize=frozen_itemsize, partition=partition,
             overlapped=overlapped, fence=StateFence(), materializer=materializer, directories=directories, disk=disk,
             root=roots[0], backend=directories.backends[0], params=params, frozen=frozen, updater=updater,
-            grads=grads, grad_flat=aligned_bytes(layout.max_block_numel * 4),
+            grads=grads, grad_flat=aligned_bytes(layout.max_block_numel * 4), placement=placement,
         )  # fmt: skip
-        parts.placement = place_in_host_memory(parts, offload.host_memory_budget, ranks_per_host, device,
-                                               grad_tier is not None, state_tier is not None, frozen_tier is not None,
-                                               param_tier is not None, offload.state_precision)  # fmt: skip
-        if param_tier is not None:
-            param_tier.host_keys = parts.placement.params
-        if grad_tier is not None and parts.placement.grads:
-            grad_tier.host_keys = frozenset(sg.key for sg in layout.subgroups)
-        if state_tier is not None:
-            state_tier.host_keys = parts.placement.state
-        if frozen_tier is not None:
-            frozen_tier.host_keys = parts.placement.frozen
         check_host_memory(parts, device, needed)
         slots = [slot for block in layout.blocks for slot in block.slots]
         if updater is None and not any(slot.param.is_meta for slot in slots):
@@ -362,26 +415,26 @@ def make_updater(rule: OptimizerRule, update: UpdateConfig, offload: OffloadConf
                         compressor, offload.state_precision)  # fmt: skip
 
 
-def resident_bytes(parts: EngineParts, device: torch.device) -> int:
+def resident_bytes(parts: Sizes, device: torch.device) -> int:
     """Host memory of the resident block: its 16-bit copy, its autograd gradients and the fp32 gradient
     gathered from them (on a GPU only the last stays on the host)."""
     numel = parts.layout.resident.numel
     return numel * (2 * parts.itemsize + 4) if device.type == "cpu" else numel * 4
 
 
-def working_bytes(parts: EngineParts) -> int:
+def working_bytes(parts: Sizes) -> int:
     """Set-up's working set: the largest block in its own dtype (frozen parameters too)."""
     pairs = block_pairs(parts.layout, parts.frozen_layout)
     return max((sum(s.nbytes for s in b.slots + f.slots) for b, f in pairs), default=0)
 
 
-def reserved_bytes(parts: EngineParts, device: torch.device) -> int:
+def reserved_bytes(parts: Sizes, device: torch.device) -> int:
     """Host memory the engine takes whatever the budget: its buffer pools, the resident set, set-up's working
     set."""
     return parts.pool_bytes + resident_bytes(parts, device) + working_bytes(parts)
 
 
-def place_in_host_memory(parts: EngineParts, setting: str, ranks_per_host: int, device: torch.device, grads: bool,
+def place_in_host_memory(parts: Sizes, setting: str, ranks_per_host: int, device: torch.device, grads: bool,
                          state: bool, frozen: bool, params: bool,
                          precision: str = quant8.FP32) -> HostPlacement:  # fmt: skip
     """``offload.host_memory_budget`` (``setting``): what of the state lives in host memory (engine/placement.py);

@@ -31,13 +31,16 @@ class GradientAccumulator:
     def __init__(self, layout: Layout, store: TensorStore, lookahead: int, allocator: Allocator | None = None) -> None:
         self.layout = layout
         self.store = store
-        max_numel = layout.max_subgroup_numel
-        # backward's in-flight writes plus the step's read-ahead
-        self.pool = BufferPool(lookahead + 3, max_numel * 4, allocator=allocator)
+        self.pool = BufferPool(*self.pool_shape(layout, lookahead), allocator=allocator)
         self._held: dict[int, torch.Tensor] = {}
         self._written: set[int] = set()
         self._norms: dict[int, torch.Tensor] = {}
         self._pending: list[Future[None]] = []
+
+    @staticmethod
+    def pool_shape(layout: Layout, lookahead: int) -> tuple[int, int]:
+        """(buffers, bytes each): backward's in-flight writes plus the step's read-ahead, one subgroup each."""
+        return lookahead + 3, layout.max_subgroup_numel * 4
 
     @property
     def host_bytes(self) -> int:

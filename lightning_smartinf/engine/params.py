@@ -52,8 +52,9 @@ class ParamStreamer:
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         if device.type == "cuda":  # CUDA-pinned for async copies to the device; DeepSpeed's aio takes it in place too
             allocator = PageAligned(pin=True)
-        self.pool = BufferPool(prefetch + 2, layout.max_block_numel * self.itemsize, allocator)
-        self.out_pool = BufferPool(3, layout.max_subgroup_numel * self.itemsize, allocator)
+        (blocks, block_bytes), (subgroups, subgroup_bytes) = self.pool_shapes(layout, self.itemsize, prefetch)
+        self.pool = BufferPool(blocks, block_bytes, allocator)
+        self.out_pool = BufferPool(subgroups, subgroup_bytes, allocator)
         self._loading: dict[int, tuple[torch.Tensor, list[Future[None]]]] = {}
         self._live: dict[int, torch.Tensor] = {}
         self._pending_writes: list[Future[None]] = []
@@ -66,6 +67,12 @@ class ParamStreamer:
                           if self.partition.world > 1 else None)  # fmt: skip
         self._gathering: dict[int, Future[tuple[torch.Tensor, torch.Tensor]]] = {}
         """Data parallel: blocks on their way through the gather thread, as (whole block, the buffer to release)."""
+
+    @staticmethod
+    def pool_shapes(layout: Layout, itemsize: int, prefetch: int) -> list[tuple[int, int]]:
+        """(buffers, bytes each) of its pools: blocks being read ahead, in use and released; subgroups on their way
+        back to storage. Known before any is made (``host_memory_budget=auto`` counts them first)."""
+        return [(prefetch + 2, layout.max_block_numel * itemsize), (3, layout.max_subgroup_numel * itemsize)]
 
     @property
     def host_bytes(self) -> int:

@@ -22,7 +22,7 @@ def align_up(nbytes: int, alignment: int = ALIGNMENT) -> int:
 
 def aligned_bytes(nbytes: int, pin: bool = False) -> torch.Tensor:
     """A page-aligned uint8 tensor of ``align_up(nbytes)`` bytes, pinned for fast device copies when asked."""
-    size = max(align_up(nbytes), ALIGNMENT)
+    size = allocated_bytes(nbytes)
     region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     tensor = torch.frombuffer(region, dtype=torch.uint8, count=size)
     if pin and torch.cuda.is_available():
@@ -58,8 +58,18 @@ class PageAligned:
         pass
 
 
+def allocated_bytes(nbytes: int) -> int:
+    """Bytes an allocation of ``nbytes`` takes (``aligned_bytes``, ``PageLocked``): whole pages, at least one."""
+    return max(align_up(nbytes), ALIGNMENT)
+
+
 class BufferPool:
     """A fixed set of equally sized aligned buffers; ``acquire`` blocks until one is free (back-pressure)."""
+
+    @staticmethod
+    def planned_bytes(count: int, nbytes: int) -> int:
+        """``total_bytes`` of a pool of ``count`` buffers of ``nbytes``, before it is made."""
+        return count * align_up(nbytes)
 
     def __init__(self, count: int, nbytes: int, allocator: Allocator | None = None) -> None:
         if count < 1:

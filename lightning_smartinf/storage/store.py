@@ -236,8 +236,8 @@ class RoutedStore:
 
 class TieredStore:
     """The names of ``host_keys`` in host memory, every other on storage (``offload.host_memory_budget``'s
-    placement of gradients and optimizer state): their users read and write both alike. The engine builds it
-    before it sizes the budget and sets ``host_keys`` once, before anything is written."""
+    placement of gradients and optimizer state): their users read and write both alike. The engine decides the
+    placement first and builds each with its names, which never change."""
 
     def __init__(self, disk: FileStore | StripedStore, host: HostStore, host_keys: frozenset[str]) -> None:
         self.disk, self.host, self.host_keys = disk, host, host_keys

@@ -74,13 +74,17 @@ class HostUpdater:
         self.store = store
         self.lookahead = lookahead
         self.adam_kernel = adam_kernel
-        kinds_per_sg = 1 + len(rule.states)
-        # in flight: `lookahead` being read, one updating, one being written back
-        self.pool = BufferPool((lookahead + 2) * kinds_per_sg, max_subgroup_numel * 4, allocator=store.allocator)
+        self.pool = BufferPool(*self.pool_shape(rule, max_subgroup_numel, lookahead), allocator=store.allocator)
         kernel = "deepspeed cpu_adam" if adam_kernel and rule.name in ("adam", "adamw") else f"torch {rule.name}"
         if precision == quant8.INT8:
             kernel = f"{rule.name} fused with 8-bit state" if quant8.kernel() else f"torch {rule.name}, 8-bit state"
         self.name = f"host ({kernel})"
+
+    @staticmethod
+    def pool_shape(rule: OptimizerRule, max_subgroup_numel: int, lookahead: int) -> tuple[int, int]:
+        """(buffers, bytes each): master and state of the subgroups in flight (``lookahead`` being read, one
+        updating, one being written back)."""
+        return (lookahead + 2) * (1 + len(rule.states)), max_subgroup_numel * 4
 
     @property
     def host_bytes(self) -> int:

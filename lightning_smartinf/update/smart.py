@@ -28,7 +28,7 @@ from lightning_smartinf.config import CompressionConfig
 from lightning_smartinf.core import GRAD, HOST_LINK, MASTER, PARAM, Layout, StepContext, Subgroup, device_link
 from lightning_smartinf.errors import ConfigError
 from lightning_smartinf.extras import require
-from lightning_smartinf.storage.aligned import Allocator, align_up, aligned_bytes, typed_view
+from lightning_smartinf.storage.aligned import Allocator, align_up, aligned_bytes, allocated_bytes, typed_view
 from lightning_smartinf.storage.counters import READ, WRITE, TrafficCounters
 from lightning_smartinf.storage.store import FileStore, RoutedStore
 from lightning_smartinf.update import quant8
@@ -53,19 +53,17 @@ INDEX, VALUE, SQUARE = "grad_index", "grad_value", "grad_square"
 """Kinds of a compressed gradient on the host link."""
 
 
+SLOTS = 2
+"""Host buffer sets per device: one job being updated while the next one's data arrives."""
+
+
 class _Slot:
     """One fixed set of device buffers: master, optimizer state, gradient in, parameters out."""
 
     def __init__(self, cl: Any, context: Any, rule: OptimizerRule, numel: int, grad_dtype: torch.dtype,
                  param_dtype: torch.dtype, max_nnz: int, squares: bool, allocator: Allocator,
                  precision: str = quant8.FP32) -> None:  # fmt: skip
-        sizes = {MASTER: 4 * numel, **{k: quant8.payload(numel, precision) for k in rule.state_kinds}}
-        sizes[GRAD] = torch.empty((), dtype=grad_dtype).element_size() * numel
-        sizes[PARAM] = torch.empty((), dtype=param_dtype).element_size() * numel
-        if max_nnz:  # SmartComp: int32 indices and 16-bit values in, decompressed into "grad"
-            sizes[INDEX], sizes[VALUE] = 4 * max_nnz, 2 * max_nnz
-            if squares:  # catch-up: the sums of squares travel too
-                sizes[SQUARE] = 2 * max_nnz
+        sizes = self.sizes(rule, numel, grad_dtype, param_dtype, max_nnz, squares, precision)
         self.allocator = allocator  # the device store's: page-locked, so its aio reads and writes need no bounce
         self.host = {kind: allocator.allocate(size) for kind, size in sizes.items()}
         flags = cl.mem_flags.READ_WRITE | cl.mem_flags.USE_HOST_PTR
@@ -75,6 +73,19 @@ class _Slot:
         self.sg: Subgroup | None = None
         self.wide: dict[str, Any] = {}
         """8-bit state: each state kind widened to fp32, in device memory (update/device_state.py)."""
+
+    @staticmethod
+    def sizes(rule: OptimizerRule, numel: int, grad_dtype: torch.dtype, param_dtype: torch.dtype, max_nnz: int,
+              squares: bool, precision: str) -> dict[str, int]:  # fmt: skip
+        """Bytes of each of its host buffers."""
+        sizes = {MASTER: 4 * numel, **{k: quant8.payload(numel, precision) for k in rule.state_kinds}}
+        sizes[GRAD] = torch.empty((), dtype=grad_dtype).element_size() * numel
+        sizes[PARAM] = torch.empty((), dtype=param_dtype).element_size() * numel
+        if max_nnz:  # SmartComp: int32 indices and 16-bit values in, decompressed into "grad"
+            sizes[INDEX], sizes[VALUE] = 4 * max_nnz, 2 * max_nnz
+            if squares:  # catch-up: the sums of squares travel too
+                sizes[SQUARE] = 2 * max_nnz
+        return sizes
 
     def map(self, cl: Any, queue_: Any) -> None:
         """Hand the buffers to the host (with USE_HOST_PTR the host memory then holds the device's latest bits)."""
@@ -204,7 +215,7 @@ class NearStorageDevice:
         self.precision = precision
         self.quantizer = DeviceQuantizer(cl, self.context, self.device) if precision == quant8.INT8 else None
         self.slots = [_Slot(cl, self.context, rule, max_numel, grad_dtype, param_dtype, nnz, squares,
-                            store.allocator, precision) for _ in range(2)]  # fmt: skip
+                            store.allocator, precision) for _ in range(SLOTS)]  # fmt: skip
         if self.quantizer is not None:
             for slot in self.slots:
                 slot.wide = self.quantizer.wide_buffers(rule.state_kinds, max_numel)
@@ -364,6 +375,15 @@ class NearStorageDevice:
 
 class SmartUpdater:
     """Streams each subgroup's gradient to the device that owns it and gets its updated parameters back."""
+
+    @staticmethod
+    def planned_host_bytes(rule: OptimizerRule, devices: int, max_numel: int, wire_dtype: torch.dtype,
+                           compression: CompressionConfig | None, precision: str) -> int:  # fmt: skip
+        """``host_bytes`` before any device is opened: each device's slots of host buffers."""
+        nnz = max_nnz(max_numel, compression) if compression is not None else 0
+        squares = compression is not None and compression.catch_up
+        sizes = _Slot.sizes(rule, max_numel, wire_dtype, wire_dtype, nnz, squares, precision)
+        return devices * SLOTS * sum(allocated_bytes(n) for n in sizes.values())
 
     def __init__(
         self,

@@ -1,13 +1,19 @@
-"""The engine's wiring: build makes the parts by name, and the engine names each part once, where grep finds it."""
+"""The engine's wiring: placement decided before the stores are built, the parts made by name, and the engine naming
+each part once, where grep finds it."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
 import inspect
+from pathlib import Path
+
+import pytest
+from helpers import fit, make_module
 
 from lightning_smartinf.engine import build, engine
 from lightning_smartinf.engine.build import EngineParts
+from lightning_smartinf.lightning.strategy import SmartInfinityStrategy
 
 
 def test_the_engine_names_every_part_once_by_assignment() -> None:
@@ -21,7 +27,29 @@ def test_the_engine_names_every_part_once_by_assignment() -> None:
     assert "vars(" not in inspect.getsource(engine.OffloadEngine.__init__)
 
 
+def test_the_stores_a_placement_splits_are_built_with_their_ram_names() -> None:
+    assert ".host_keys =" not in inspect.getsource(build)  # never patched after the parts are made
+
+
 def test_build_makes_the_parts_by_keyword() -> None:
     calls = [n for n in ast.walk(ast.parse(inspect.getsource(build.build)))
              if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "EngineParts"]  # fmt: skip
     assert calls and all(not call.args for call in calls)
+
+
+@pytest.mark.parametrize(("update", "compression"), [
+    ({"host_adam": "torch"}, {}),
+    ({"backend": "smart", "devices": 2}, {"kind": "topk", "keep": 0.01}),
+])  # fmt: skip
+def test_the_pools_counted_before_the_placement_are_the_pools_made(update: dict, compression: dict,
+                                                                   tmp_path: Path) -> None:  # fmt: skip
+    """``host_memory_budget=auto`` sizes the budget before any part exists, from the shapes of the pools each part
+    will make: those are the bytes the parts hold once made."""
+    offload = {"nvme_path": str(tmp_path), "subgroup_size": 4096, "io_backend": "threads", "grads": "cpu"}
+    strategy = SmartInfinityStrategy(offload=offload, update=update, compression=compression)
+    trainer = fit(make_module(), strategy, max_steps=1)
+    made = trainer.strategy.engine
+    planned = build.planned_pool_bytes(made.layout, made.frozen_layout, made.itemsize, made.frozen_itemsize,
+                                       made.rule, strategy.offload, strategy.update, strategy.compression,
+                                       made.param_dtype)  # fmt: skip
+    assert planned == made.parts.pool_bytes > 0
