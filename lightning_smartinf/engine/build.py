@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,17 +30,25 @@ from lightning_smartinf.engine.materialize import Materializer
 from lightning_smartinf.engine.overlap import OverlappedStep
 from lightning_smartinf.engine.params import ParamStreamer
 from lightning_smartinf.engine.partition import Partition
-from lightning_smartinf.engine.placement import HostPlacement, auto_budget, place
+from lightning_smartinf.engine.placement import HostPlacement
 from lightning_smartinf.engine.pretrained import PretrainedSource
+from lightning_smartinf.engine.sizing import (
+    PlannedSizes,
+    Tiers,
+    check_host_memory,
+    place_in_host_memory,
+    planned_pool_bytes,
+    planned_storage_bytes,
+)
 from lightning_smartinf.engine.snapshot import planned_signature
-from lightning_smartinf.errors import ConfigError, HostMemoryError
-from lightning_smartinf.memory import host_available_bytes, release_free_heap
+from lightning_smartinf.errors import ConfigError
+from lightning_smartinf.memory import release_free_heap
 from lightning_smartinf.schedule.horizontal import find_blocks
-from lightning_smartinf.storage.aligned import BufferPool, align_up, aligned_bytes, allocated_bytes
+from lightning_smartinf.storage.aligned import aligned_bytes
 from lightning_smartinf.storage.counters import TrafficCounters
 from lightning_smartinf.storage.io import IOBackend, IOSettings, backend_for
 from lightning_smartinf.storage.lock import StateLock
-from lightning_smartinf.storage.space import human_bytes, prepare_directory
+from lightning_smartinf.storage.space import prepare_directory
 from lightning_smartinf.storage.store import (
     FileStore,
     HostStore,
@@ -48,9 +56,7 @@ from lightning_smartinf.storage.store import (
     TensorStore,
     TieredStore,
     WrittenSum,
-    stripe_of,
 )
-from lightning_smartinf.update import quant8
 from lightning_smartinf.update.base import Updater
 from lightning_smartinf.update.cpu_adam import load_cpu_adam
 from lightning_smartinf.update.host import HostUpdater
@@ -167,83 +173,6 @@ class EngineParts:
         pools = self.params.host_bytes + self.grads.host_bytes + self.grad_flat.numel()
         pools += self.frozen.host_bytes if self.frozen is not None else 0
         return pools + (getattr(self.updater, "host_bytes", 0) or 0)
-
-
-class Sizes(Protocol):
-    """What the host memory budget is sized from: ``EngineParts`` once built, ``PlannedSizes`` before."""
-
-    rule: OptimizerRule | None
-    layout: Layout
-    frozen_layout: Layout
-    itemsize: int
-    frozen_itemsize: int
-
-    @property
-    def pool_bytes(self) -> int: ...
-
-
-@dataclass
-class PlannedSizes:
-    """``Sizes`` before the parts are made: the pools' bytes from their shapes (``planned_pool_bytes``)."""
-
-    rule: OptimizerRule | None
-    layout: Layout
-    frozen_layout: Layout
-    itemsize: int
-    frozen_itemsize: int
-    pool_bytes: int
-
-
-@dataclass(frozen=True)
-class Tiers:
-    """Which stores a host memory budget may split between RAM and disk."""
-
-    params: bool
-    frozen: bool
-    state: bool
-    grads: bool
-
-
-def planned_pool_bytes(layout: Layout, frozen_layout: Layout, itemsize: int, frozen_itemsize: int,
-                       rule: OptimizerRule | None, offload: OffloadConfig, update: UpdateConfig,
-                       compression: CompressionConfig, param_dtype: torch.dtype) -> int:  # fmt: skip
-    """``EngineParts.pool_bytes`` before any pool is made, from the shapes each part's pools will have."""
-    shapes = ParamStreamer.pool_shapes(layout, itemsize, offload.prefetch)
-    if frozen_itemsize:
-        shapes += ParamStreamer.pool_shapes(frozen_layout, frozen_itemsize, offload.prefetch)
-    shapes.append(GradientAccumulator.pool_shape(layout, offload.step_lookahead))
-    if rule is not None and update.backend == "host":
-        shapes.append(HostUpdater.pool_shape(rule, layout.max_subgroup_numel, offload.step_lookahead))
-    total = sum(BufferPool.planned_bytes(count, nbytes) for count, nbytes in shapes)
-    total += allocated_bytes(layout.max_block_numel * 4)  # grad_flat
-    if rule is not None and update.backend != "host":
-        wire = param_dtype if update.wire == "16bit" else torch.float32
-        sparse = compression if compression.kind == "topk" else None
-        total += SmartUpdater.planned_host_bytes(rule, len(device_specs(update.devices)), layout.max_subgroup_numel,
-                                                 wire, sparse, offload.state_precision)  # fmt: skip
-    return total
-
-
-def planned_storage_bytes(
-    layout: Layout, rule: OptimizerRule | None, cfg: OffloadConfig, itemsize: int, state_here: bool,
-    frozen: Layout | None = None, frozen_itemsize: int = 0,
-) -> list[int]:  # fmt: skip
-    """Bytes the files under each directory of ``nvme_path`` take (each padded to 4 KiB); ``state_here``: master,
-    state and gradients live here too (the host update), rather than in near-storage devices' directories;
-    ``frozen``: the streamed blocks' frozen parameters, ``frozen_itemsize`` bytes an element, beside the 16-bit
-    ones."""
-    totals = [0] * len(cfg.paths)
-    for sg in layout.subgroups:
-        fp32 = align_up(sg.numel * 4)
-        state = align_up(quant8.payload(sg.numel, cfg.state_precision))
-        total = fp32 + state * len(rule.states) if rule and state_here else 0
-        total += fp32 if cfg.grads == "nvme" and state_here else 0
-        streamed = not layout.blocks[sg.block].resident
-        total += align_up(sg.numel * itemsize) if cfg.params == "nvme" and streamed else 0
-        totals[stripe_of(sg.key, len(totals))] += total
-    for sg in frozen.subgroups if frozen is not None and cfg.params == "nvme" else ():
-        totals[stripe_of(sg.key, len(totals))] += align_up(sg.numel * frozen_itemsize)
-    return totals
 
 
 def rank_path(path: str, rank: int, world: int) -> Path:
@@ -413,71 +342,6 @@ def make_updater(rule: OptimizerRule, update: UpdateConfig, offload: OffloadConf
     compressor = TopKCompressor(compression, layout, device) if compression.kind == "topk" else None
     return SmartUpdater(rule, specs, root, make_store, directories.counters, layout, wire, offload.grads == "nvme",
                         compressor, offload.state_precision)  # fmt: skip
-
-
-def resident_bytes(parts: Sizes, device: torch.device) -> int:
-    """Host memory of the resident block: its 16-bit copy, its autograd gradients and the fp32 gradient
-    gathered from them (on a GPU only the last stays on the host)."""
-    numel = parts.layout.resident.numel
-    return numel * (2 * parts.itemsize + 4) if device.type == "cpu" else numel * 4
-
-
-def working_bytes(parts: Sizes) -> int:
-    """Set-up's working set: the largest block in its own dtype (frozen parameters too)."""
-    pairs = block_pairs(parts.layout, parts.frozen_layout)
-    return max((sum(s.nbytes for s in b.slots + f.slots) for b, f in pairs), default=0)
-
-
-def reserved_bytes(parts: Sizes, device: torch.device) -> int:
-    """Host memory the engine takes whatever the budget: its buffer pools, the resident set, set-up's working
-    set."""
-    return parts.pool_bytes + resident_bytes(parts, device) + working_bytes(parts)
-
-
-def place_in_host_memory(parts: Sizes, setting: str, ranks_per_host: int, device: torch.device, grads: bool,
-                         state: bool, frozen: bool, params: bool,
-                         precision: str = quant8.FP32) -> HostPlacement:  # fmt: skip
-    """``offload.host_memory_budget`` (``setting``): what of the state lives in host memory (engine/placement.py);
-    ``grads``, ``state``, ``frozen`` and ``params``: whether the gradients, the optimizer state, the frozen weights
-    and the 16-bit parameters may go there; ``precision``: ``offload.state_precision``. ``auto`` is half the
-    available memory, shared by the ``ranks_per_host`` ranks, less the engine's own."""
-    if setting == "auto":
-        available, reserved = host_available_bytes(), reserved_bytes(parts, device)
-        budget = auto_budget(available, ranks_per_host, reserved)
-        log.info("smart_infinity host memory budget auto: half of %s available%s, less the %s the engine holds "
-                 "whatever the budget (pools, resident set, set-up's working set): %s", human_bytes(available),
-                 f" shared by {ranks_per_host} ranks" if ranks_per_host > 1 else "", human_bytes(reserved),
-                 human_bytes(budget))  # fmt: skip
-    else:
-        budget = parse_bytes("offload.host_memory_budget", setting)
-    kinds = len(parts.rule.states) if parts.rule is not None else 0
-    state_bytes = 4 + kinds * quant8.bytes_per_element(precision)
-    placement = place(budget, parts.layout, state_bytes, grads, state, parts.frozen_layout if frozen else None,
-                      parts.frozen_itemsize, parts.itemsize if params else 0)  # fmt: skip
-    if budget:
-        log.info("smart_infinity %s", placement.describe(parts.layout, parts.frozen_layout))
-    return placement
-
-
-def check_host_memory(parts: EngineParts, device: torch.device, disk: list[int]) -> None:
-    """Say what host memory and disk this run takes, and refuse before writing any state when the memory on
-    top of the (already allocated) buffer pools does not fit what the host has left."""
-    resident, working, pools = resident_bytes(parts, device), working_bytes(parts), parts.pool_bytes
-    available = host_available_bytes()
-    log.info(
-        "smart_infinity host memory: buffer pools %s, resident set %s, set-up working set (the largest block in "
-        "its own dtype) %s; %s available; state on disk at most %s",
-        human_bytes(pools), human_bytes(resident), human_bytes(working), human_bytes(available),
-        " + ".join(human_bytes(n) for n in disk),
-    )  # fmt: skip
-    if resident + working > available:
-        raise HostMemoryError(
-            f"smart_infinity needs {human_bytes(resident + working)} of host memory beyond its buffer pools "
-            f"({human_bytes(pools)}, allocated): the resident set (embeddings, head, norms: "
-            f"{human_bytes(resident)}) and set-up's largest block ({human_bytes(working)}), but "
-            f"{human_bytes(available)} is available: stream more of the model as blocks (offload_blocks()), "
-            "train in 16-bit, or free memory"
-        )
 
 
 def write_initial_state(parts: EngineParts, model: nn.Module, device: torch.device) -> None:

@@ -16,7 +16,6 @@ import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,19 @@ from lightning_smartinf.update import quant8
 from lightning_smartinf.update.arguments import DENSE, KERNEL_ARGUMENTS, catch_up_scalars, kernel_scalars
 from lightning_smartinf.update.base import GradientSource
 from lightning_smartinf.update.device_state import DeviceQuantizer
+from lightning_smartinf.update.messages import (
+    EndOfStep,
+    Failed,
+    Inbound,
+    Job,
+    NoGradient,
+    Outbound,
+    SentGradient,
+    StepFinished,
+    Stop,
+    StoredGradient,
+    Updated,
+)
 from lightning_smartinf.update.opencl import (
     KERNEL_SOURCE,
     SMART_NEEDS,
@@ -115,71 +127,6 @@ class _Slot:
         for raw in self.host.values():
             self.allocator.free(raw)
         self.host = {}
-
-
-# -- the transfer handler's messages ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class SentGradient:
-    """The subgroup's gradient from host memory, sent over the host link with the job (in the wire dtype)."""
-
-    values: torch.Tensor
-
-
-@dataclass(frozen=True)
-class StoredGradient:
-    """The gradient already sits in the device's own directory (written during backward): read over its link."""
-
-
-@dataclass(frozen=True)
-class NoGradient:
-    """No gradient reached the subgroup since the last step: it steps with zeros."""
-
-
-Gradient = SentGradient | StoredGradient | NoGradient | SparseGradient
-"""How a job's gradient reaches the device (SparseGradient: SmartComp's top-k, scattered on the device)."""
-
-
-@dataclass(frozen=True)
-class Job:
-    """Update one subgroup: its gradient, the step's context and the kernel's scalars for its param group."""
-
-    sg: Subgroup
-    gradient: Gradient
-    ctx: StepContext
-    scalars: list[Any]
-
-
-@dataclass(frozen=True)
-class EndOfStep:
-    """No more jobs this step: finish the one in flight, then say ``StepFinished``."""
-
-
-@dataclass(frozen=True)
-class Stop:
-    """``close``: the transfer handler ends."""
-
-
-@dataclass(frozen=True)
-class Updated:
-    """A subgroup's new parameters (in the wire dtype), sent back over the host link."""
-
-    sg: Subgroup
-    params: torch.Tensor
-
-
-@dataclass(frozen=True)
-class StepFinished:
-    device: int
-
-
-@dataclass(frozen=True)
-class Failed:
-    device: int
-    error: BaseException
-
-
-Inbound = Job | EndOfStep | Stop
-Outbound = Updated | StepFinished | Failed
 
 
 class NearStorageDevice:

@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.checkpoint import latest_checkpoint
-from lightning_smartinf.engine import build as build_module
+from lightning_smartinf.engine import sizing
 from lightning_smartinf.engine.placement import place
 from lightning_smartinf.engine.snapshot import engine_nbytes
 from lightning_smartinf.errors import ConfigError
@@ -110,14 +110,14 @@ def test_a_checkpoint_of_state_in_ram_resumes_exactly_under_any_budget(tmp_path:
 def test_auto_takes_half_the_available_memory_less_the_engines_own_shared_by_the_ranks_on_the_host(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(build_module, "host_available_bytes", lambda: 64 * 2**20)
+    monkeypatch.setattr(sizing, "host_available_bytes", lambda: 64 * 2**20)
     trainer = fit(make_module(), strategy(tmp_path, "auto"), max_steps=1)
     engine = trainer.strategy.engine
-    reserved = build_module.reserved_bytes(engine.parts, engine.device)
+    reserved = sizing.reserved_bytes(engine.parts, engine.device)
     assert reserved >= engine.host_memory_bytes > 0
     assert engine.ranks_per_host == 1 and engine.placement.budget == 32 * 2**20 - reserved
     # as for a second process on this host (trainer.devices=2)
-    assert build_module.place_in_host_memory(engine.parts, "auto", 2, engine.device, True, True, False,
+    assert sizing.place_in_host_memory(engine.parts, "auto", 2, engine.device, True, True, False,
                                              True).budget == 16 * 2**20 - reserved  # fmt: skip
 
 
@@ -125,7 +125,7 @@ def test_the_default_budget_places_nothing_where_the_engine_needs_half_the_memor
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A tight host (a small cgroup) keeps the default run all on storage rather than crowd out its own pools."""
-    monkeypatch.setattr(build_module, "host_available_bytes", lambda: 2**20)
+    monkeypatch.setattr(sizing, "host_available_bytes", lambda: 2**20)
     s = SmartInfinityStrategy(offload={"nvme_path": str(tmp_path), "subgroup_size": 4096, "io_backend": "threads"},
                               update={"host_adam": "torch"})  # fmt: skip
     assert s.offload.host_memory_budget == "auto"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import fit, make_module
 
-from lightning_smartinf.engine import build, engine
+from lightning_smartinf.engine import build, engine, sizing
 from lightning_smartinf.engine.build import EngineParts
 from lightning_smartinf.lightning.strategy import SmartInfinityStrategy
 
@@ -49,7 +49,7 @@ def test_the_pools_counted_before_the_placement_are_the_pools_made(update: dict,
     strategy = SmartInfinityStrategy(offload=offload, update=update, compression=compression)
     trainer = fit(make_module(), strategy, max_steps=1)
     made = trainer.strategy.engine
-    planned = build.planned_pool_bytes(made.layout, made.frozen_layout, made.itemsize, made.frozen_itemsize,
+    planned = sizing.planned_pool_bytes(made.layout, made.frozen_layout, made.itemsize, made.frozen_itemsize,
                                        made.rule, strategy.offload, strategy.update, strategy.compression,
                                        made.param_dtype)  # fmt: skip
     assert planned == made.parts.pool_bytes > 0
