@@ -57,6 +57,7 @@ from lightning_smartinf.storage.store import (
     TieredStore,
     WrittenSum,
 )
+from lightning_smartinf.update import quant8
 from lightning_smartinf.update.base import Updater
 from lightning_smartinf.update.cpu_adam import load_cpu_adam
 from lightning_smartinf.update.host import HostUpdater
@@ -327,7 +328,10 @@ def make_updater(rule: OptimizerRule, update: UpdateConfig, offload: OffloadConf
     """The host update (its state in ``tier`` where a host memory budget may place some of it in RAM), or the
     near-storage devices, each in a directory of its own."""
     if update.backend == "host":
-        kernel = load_cpu_adam(update.host_adam) if rule.name in ("adam", "adamw") else None
+        # with 8-bit state the update runs fused with the (de)quantization (update/quant8.cpp): DeepSpeed's Adam
+        # would only sit in memory
+        adam = rule.name in ("adam", "adamw") and offload.state_precision == quant8.FP32
+        kernel = load_cpu_adam(update.host_adam) if adam else None
         return HostUpdater(rule, tier or disk, layout.max_subgroup_numel, offload.step_lookahead, kernel,
                            offload.state_precision)  # fmt: skip
     if update.wire == "16bit" and param_dtype == torch.float32:
