@@ -25,7 +25,7 @@ from typing import Any
 
 from lightning_smartinf.bench.systems import NAMES
 from lightning_smartinf.errors import ConfigError
-from lightning_smartinf.schedule.timing import Machine, Workload
+from lightning_smartinf.schedule.timing import Machine, Workload, disk_bytes, param_read_bytes
 from lightning_smartinf.schedule.timing import predict as predict_time
 
 GB = 1e9
@@ -149,13 +149,10 @@ def predict(system: str, job: Job, hw: Hardware, keep: float = 0.01, vertical: b
     vertical = system in ("c", "d", "e") if vertical is None else vertical
     parts = predict_time(work, machine, vertical, job.micro_batches, 1.0 if vertical else 0.0,
                          keep=1.0 if system == "a" else 0.0, in_turn=system == "a")  # fmt: skip
-    reads = 2 * work.streamed_param_bytes * (1 if vertical else job.micro_batches)
-    if work.near_storage:
-        host_link = reads + work.link_bytes + work.step_write_bytes
-        disk = reads + work.step_write_bytes + (work.device_read_bytes + work.device_write_bytes if hw.shared_disk
-                                                else 0)  # fmt: skip
-    else:
-        host_link = disk = reads + work.step_read_bytes + work.step_write_bytes
+    disk = sum(disk_bytes(work, machine, vertical, job.micro_batches))
+    host_link = disk  # the host update: every disk byte crosses host memory
+    if work.near_storage:  # gradients out and parameters back; the devices' own I/O stays behind the link
+        host_link = param_read_bytes(work, vertical, job.micro_batches) + work.link_bytes + work.step_write_bytes
     shown = {k: v for k, v in parts.items() if k not in ("step", "step_hidden", "disk", "total", "graphs_io")}
     bottleneck = max((v, k) for k, v in shown.items())[1]
     return Prediction(system, parts["total"], parts, bottleneck, host_link, disk)

@@ -63,7 +63,7 @@ from lightning_smartinf.update.cpu_adam import load_cpu_adam
 from lightning_smartinf.update.host import HostUpdater
 from lightning_smartinf.update.opencl import device_specs
 from lightning_smartinf.update.optimizers import OptimizerRule, rule_for, with_catch_up
-from lightning_smartinf.update.smart import SmartUpdater
+from lightning_smartinf.update.smart import SmartUpdater, wire_dtype
 
 log = logging.getLogger(__name__)
 
@@ -336,7 +336,7 @@ def make_updater(rule: OptimizerRule, update: UpdateConfig, offload: OffloadConf
                            offload.state_precision)  # fmt: skip
     if update.wire == "16bit" and param_dtype == torch.float32:
         raise ConfigError("update.wire=16bit needs a 16-bit training precision (bf16-mixed or 16-mixed)")
-    wire = param_dtype if update.wire == "16bit" else torch.float32
+    wire = wire_dtype(update.wire, param_dtype)
     specs = [dataclasses.replace(s, path=str(rank_path(s.path, layout.rank, layout.world))) if s.path else s
              for s in device_specs(update.devices)]  # fmt: skip
 

@@ -45,6 +45,7 @@ def workload_of(engine: OffloadEngine, batch: Any, checkpoint_bytes_per_sample: 
     streamed_on_disk = sum(b.numel for b in engine.layout.streamed) - placed if engine.cfg.params == "nvme" else 0
     streamed = streamed_on_disk * engine.itemsize
     states = len(engine.rule.states) if engine.rule else 0
+    state_bytes = 4 + states * quant8.bytes_per_element(engine.cfg.state_precision)  # master and optimizer state
     local = engine.layout.local_numel  # the elements this rank steps (all of them on one process)
     grads_on_disk = engine.cfg.grads == "nvme" and not engine.placement.grads
     grad_read = 4 * local if grads_on_disk else 0
@@ -52,14 +53,14 @@ def workload_of(engine: OffloadEngine, batch: Any, checkpoint_bytes_per_sample: 
     near = isinstance(engine.updater, SmartUpdater)
     link = device_read = device_write = 0
     if near:  # gradients out, fp32 parameters back over the link; the devices read gradient and state, write state
-        state = round((4 + states * quant8.bytes_per_element(engine.cfg.state_precision)) * local)
+        state = round(state_bytes * local)
         ratio = 1.0 if engine.compressor is None else engine.compressor.summary()["wire_ratio"]
         grads = round(4 * local * ratio)
         link, device_read, device_write = grads + 4 * local, grads + state, state
         step_read, step_write = 0, params_write
     else:  # gradient, master and state in; master and state out; 16-bit params out
         on_disk = local - sum(sg.numel for sg in engine.layout.subgroups if sg.key in engine.placement.state)
-        state = round((4 + states * quant8.bytes_per_element(engine.cfg.state_precision)) * on_disk)
+        state = round(state_bytes * on_disk)
         step_read = grad_read + state
         step_write = state + params_write
     if isinstance(batch, torch.Tensor):

@@ -28,7 +28,7 @@ from lightning_smartinf.update import quant8
 from lightning_smartinf.update.host import HostUpdater
 from lightning_smartinf.update.opencl import device_specs
 from lightning_smartinf.update.optimizers import OptimizerRule
-from lightning_smartinf.update.smart import SmartUpdater
+from lightning_smartinf.update.smart import SmartUpdater, wire_dtype
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +81,10 @@ def planned_pool_bytes(layout: Layout, frozen_layout: Layout, itemsize: int, fro
     total = sum(BufferPool.planned_bytes(count, nbytes) for count, nbytes in shapes)
     total += allocated_bytes(layout.max_block_numel * 4)  # grad_flat
     if rule is not None and update.backend != "host":
-        wire = param_dtype if update.wire == "16bit" else torch.float32
         sparse = compression if compression.kind == "topk" else None
         total += SmartUpdater.planned_host_bytes(rule, len(device_specs(update.devices)), layout.max_subgroup_numel,
-                                                 wire, sparse, offload.state_precision)  # fmt: skip
+                                                 wire_dtype(update.wire, param_dtype), sparse,
+                                                 offload.state_precision)  # fmt: skip
     return total
 
 

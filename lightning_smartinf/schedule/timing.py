@@ -124,6 +124,24 @@ def step_seconds(terms: dict[str, float]) -> float:
     return max(terms.values())
 
 
+def param_read_bytes(work: Workload, vertical: bool, micro_batches: int) -> float:
+    """16-bit bytes read for the streamed blocks in forward and backward: once a pass (vertical), or once a
+    micro-batch (horizontal)."""
+    return 2 * work.streamed_param_bytes * (1 if vertical else micro_batches)
+
+
+def disk_bytes(work: Workload, machine: Machine, vertical: bool, micro_batches: int,
+               spill: float = 0.0) -> tuple[float, float]:  # fmt: skip
+    """(read, written) bytes of the host's disk in one iteration: parameters, graphs kept on storage (a share
+    ``spill`` of the blocks), the step's own, and the near-storage devices' where they share the disk."""
+    graphs = spill * work.blocks * work.kept_block_bytes
+    read = param_read_bytes(work, vertical, micro_batches) + graphs + work.step_read_bytes
+    written = graphs + work.step_write_bytes
+    if machine.shared_disk:
+        read, written = read + work.device_read_bytes, written + work.device_write_bytes
+    return read, written
+
+
 def predict(work: Workload, machine: Machine, vertical: bool, micro_batches: int, overlap: float,
             keep: float = 0.0, spill: float = 0.0, in_turn: bool = False) -> dict[str, float]:  # fmt: skip
     """Predicted seconds per iteration (``total``) and its parts. ``keep``: the share of blocks whose graphs are kept
@@ -131,8 +149,7 @@ def predict(work: Workload, machine: Machine, vertical: bool, micro_batches: int
     block_params = work.params + work.frozen_params - work.resident_params
     forward = 2.0 * block_params * work.tokens_per_batch / machine.flops
     compute = (4.0 - keep - spill) * forward + 3.0 * work.resident_forward_s
-    reads = 2 * work.streamed_param_bytes * (1 if vertical else micro_batches)
-    params_io = machine.disk_seconds(reads, 0)
+    params_io = machine.disk_seconds(param_read_bytes(work, vertical, micro_batches), 0)
     graph_bytes = spill * work.blocks * work.kept_block_bytes
     graphs_io = machine.disk_seconds(graph_bytes, graph_bytes)
     terms = step_terms(work, machine)
@@ -140,9 +157,7 @@ def predict(work: Workload, machine: Machine, vertical: bool, micro_batches: int
     disk = params_io + graphs_io
     hidden = min(overlap * step, forward + work.resident_forward_s) if machine.compute_io_overlap else 0.0
     forward_backward = max(compute, disk) if machine.compute_io_overlap else compute + disk
-    device_disk = (work.device_read_bytes, work.device_write_bytes) if machine.shared_disk else (0, 0)
-    disk_total = machine.disk_seconds(reads + graph_bytes + work.step_read_bytes + device_disk[0],
-                                      graph_bytes + work.step_write_bytes + device_disk[1])  # fmt: skip
+    disk_total = machine.disk_seconds(*disk_bytes(work, machine, vertical, micro_batches, spill))
     if in_turn:
         total = compute + disk + step
     else:  # the disk serves one request at a time: all its bytes bound the iteration too

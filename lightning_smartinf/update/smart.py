@@ -320,6 +320,12 @@ class NearStorageDevice:
         self.slots = []
 
 
+def wire_dtype(wire: str, param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype gradients and parameters cross the host link in (``update.wire``: ``16bit`` sends the training
+    precision, else fp32)."""
+    return param_dtype if wire == "16bit" else torch.float32
+
+
 class SmartUpdater:
     """Streams each subgroup's gradient to the device that owns it and gets its updated parameters back."""
 
