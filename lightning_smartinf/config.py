@@ -67,6 +67,13 @@ class OffloadConfig:
     """Of the optimizer state (Adam's moments, SGD's momentum, Adagrad's sum): ``fp32``, or ``8bit``, block-wise
     quantized (update/quant8.py): about 1 byte an element instead of 4, so a step moves about 6 B/param of master and
     Adam state each way instead of 12. The fp32 master weights stay fp32. With ``update=host``."""
+    min_8bit_size: int = 4096
+    """With ``state_precision=8bit``: a parameter of fewer elements keeps fp32 state (bitsandbytes' ``min_8bit_size``:
+    biases and norms cost little, and their quantization blocks would mix with a neighbour's scale)."""
+    fp32_embedding_state: bool = True
+    """With ``state_precision=8bit``: the weights of ``nn.Embedding`` modules keep fp32 state (bitsandbytes'
+    ``StableEmbedding``). A rare token's row has a second moment far below its block's largest; in 8 bits it rounds
+    to zero while its first moment does not, and Adam then steps it by about m / eps (docs/state_precision.md)."""
     host_memory_budget: str = "auto"
     """Host memory the engine may fill with what would otherwise cross the disk, placed by value per byte
     (engine/placement.py): the streamed blocks' 16-bit parameters first (read by every forward and backward, written
@@ -89,6 +96,7 @@ class OffloadConfig:
         if self.host_memory_budget != "auto":
             parse_bytes("offload.host_memory_budget", self.host_memory_budget)
         _check_positive("offload.subgroup_size", self.subgroup_size, 2048)
+        _check_positive("offload.min_8bit_size", self.min_8bit_size, 0)
         _check_positive("offload.prefetch", self.prefetch, 0)
         _check_positive("offload.step_lookahead", self.step_lookahead, 0)
         _check_positive("offload.io_threads", self.io_threads)

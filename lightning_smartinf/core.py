@@ -61,13 +61,15 @@ class ParamSlot:
 
 @dataclass
 class Subgroup:
-    """A contiguous range of one block's flat buffer, all in one optimizer param group."""
+    """A contiguous range of one block's flat buffer, all in one optimizer param group and one state precision."""
 
     index: int
     block: int
     param_group: int
     offset: int
     numel: int
+    precision: str = "fp32"
+    """Of its optimizer state: ``fp32``, or ``8bit`` (block-wise quantized, update/quant8.py)."""
 
     @property
     def key(self) -> str:
@@ -95,6 +97,8 @@ class Layout:
     subgroups: list[Subgroup]
     rank: int = 0
     world: int = 1
+    fp32_state: list[str] | None = None
+    """With 8-bit optimizer state: the parameters that keep fp32 state (None: every parameter's state is fp32)."""
 
     def chunk(self, block: Block) -> tuple[int, int]:
         """The [start, end) of ``block``'s flat buffer that this rank owns."""

@@ -24,7 +24,7 @@ from lightning_smartinf.config import CompressionConfig, OffloadConfig, UpdateCo
 from lightning_smartinf.core import FROZEN, HOST_LINK, Layout, ParamSlot, Subgroup, block_pairs, owned_slots
 from lightning_smartinf.engine.fence import StateFence
 from lightning_smartinf.engine.grads import GradientAccumulator
-from lightning_smartinf.engine.layout import build_layout
+from lightning_smartinf.engine.layout import build_layout, eight_bit_params
 from lightning_smartinf.engine.loss_scale import DynamicLossScaler
 from lightning_smartinf.engine.materialize import Materializer
 from lightning_smartinf.engine.overlap import OverlappedStep
@@ -231,7 +231,10 @@ def build(model: nn.Module, optimizer: Optimizer | None, offload: OffloadConfig,
             "its layers, e.g. [(f'model.layers.{i}', layer) for i, layer in enumerate(self.model.layers)]"
         )
     groups = [g["params"] for g in optimizer.param_groups] if optimizer else [list(model.parameters())]
-    layout = build_layout(model, block_list, groups, offload.subgroup_size, rank, world)
+    eight_bit = None
+    if rule is not None and offload.state_precision == quant8.INT8:
+        eight_bit = eight_bit_params(model, offload.min_8bit_size, offload.fp32_embedding_state)
+    layout = build_layout(model, block_list, groups, offload.subgroup_size, rank, world, eight_bit=eight_bit)
     fixed = [p for p in model.parameters() if not p.requires_grad]
     frozen_layout = build_layout(model, block_list, [fixed], offload.subgroup_size, rank, world, frozen=True)
     if check is not None:
@@ -270,7 +273,7 @@ def build(model: nn.Module, optimizer: Optimizer | None, offload: OffloadConfig,
                              planned_pool_bytes(layout, frozen_layout, itemsize, frozen_itemsize, rule, offload,
                                                 update, compression, param_dtype))  # fmt: skip
         placement = place_in_host_memory(sizes, offload.host_memory_budget, ranks_per_host, device, tiers.grads,
-                                         tiers.state, tiers.frozen, tiers.params, offload.state_precision)  # fmt: skip
+                                         tiers.state, tiers.frozen, tiers.params)
         param_store: TensorStore = disk if on_disk else HostStore(pin=pin)
         if tiers.params:
             param_store = TieredStore(disk, HostStore(pin=pin), placement.params)

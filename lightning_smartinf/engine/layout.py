@@ -7,6 +7,10 @@ boundary. Every region is cut into *subgroups* of at most ``subgroup_size`` elem
 boundaries, so every subgroup starts 4096-byte aligned in a 16-bit or fp32 buffer and can be read with O_DIRECT
 straight into its place. A subgroup is the unit of the optimizer step and of every state file.
 
+With 8-bit optimizer state, a group's region is two: first the parameters whose state is quantized, then those that
+keep fp32 state (small tensors, embeddings: ``eight_bit_params``), each on its own 2048-element boundary, so every
+subgroup has one state precision and no quantization block spans the two.
+
 Data parallel (``world`` ranks): each block's buffer is padded to ``world`` equal, aligned chunks and rank ``r``
 owns chunk ``r`` of every block (ZeRO-Infinity's bandwidth-centric partitioning: every block is read from all ranks'
 disks at once). A rank's subgroups cut only its own chunk; every rank keeps the whole-block offsets, so a block's
@@ -15,7 +19,7 @@ disks at once). A rank's subgroups cut only its own chunk; every rank keeps the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from torch import nn
 
@@ -31,6 +35,7 @@ def build_layout(
     rank: int = 0,
     world: int = 1,
     frozen: bool = False,
+    eight_bit: Collection[int] | None = None,
 ) -> Layout:
     """Place every trainable parameter of ``model`` into a block, a flat offset and (on rank ``rank`` of ``world``)
     a subgroup.
@@ -43,7 +48,11 @@ def build_layout(
     ``frozen=True`` lays out the frozen parameters of the streamed blocks instead (``param_groups``: one group of
     them), which stream read-only beside the trainable ones; the resident block is then empty (frozen parameters
     outside the blocks stay in the module, on the training device).
+
+    ``eight_bit``: with 8-bit optimizer state, the ids of the parameters whose state is quantized
+    (``eight_bit_params``); the others' stays fp32 (None: every parameter's state is fp32).
     """
+    quantized = eight_bit if eight_bit is not None else frozenset()
     group_of: dict[int, int] = {}
     for gi, group in enumerate(param_groups):
         for p in group:
@@ -86,24 +95,39 @@ def build_layout(
     subgroups: list[Subgroup] = []
     for block in blocks:
         offset = 0
-        regions: list[tuple[int, int, int]] = []
+        regions: list[tuple[int, str, int, int]] = []
         for gi in range(len(param_groups)):
-            region = [s for s in block.slots if group_of[id(s.param)] == gi]
-            if not region:
-                continue
-            start = offset
-            for slot in region:
-                slot.offset = offset
-                offset += slot.numel
-            regions.append((gi, start, offset))
-            offset = round_up(offset)
+            in_group = [s for s in block.slots if group_of[id(s.param)] == gi]
+            for precision in ("8bit", "fp32"):
+                region = [s for s in in_group if (id(s.param) in quantized) == (precision == "8bit")]
+                if not region:
+                    continue
+                start = offset
+                for slot in region:
+                    slot.offset = offset
+                    offset += slot.numel
+                regions.append((gi, precision, start, offset))
+                offset = round_up(offset)
         block.slots.sort(key=lambda s: s.offset)
         block.numel = round_up(offset, ELEMENT_ALIGN * world) if block.slots else 0
         size = block.numel // world
         lo, hi = rank * size, (rank + 1) * size
-        for gi, start, end in regions:
+        for gi, precision, start, end in regions:
             for sg_start in range(max(start, lo), min(end, hi), rounded):
-                sg = Subgroup(len(subgroups), block.index, gi, sg_start, min(rounded, min(end, hi) - sg_start))
+                numel = min(rounded, min(end, hi) - sg_start)
+                sg = Subgroup(len(subgroups), block.index, gi, sg_start, numel, precision)
                 subgroups.append(sg)
                 block.subgroups.append(sg)
-    return Layout(blocks, subgroups, rank, world)
+    fp32_state = None
+    if eight_bit is not None:
+        fp32_state = [s.name for b in blocks for s in b.slots if id(s.param) not in quantized]
+    return Layout(blocks, subgroups, rank, world, fp32_state)
+
+
+def eight_bit_params(model: nn.Module, min_size: int, embeddings_fp32: bool) -> frozenset[int]:
+    """The ids of the trainable parameters whose optimizer state ``offload.state_precision=8bit`` quantizes: those of
+    at least ``min_size`` elements (``offload.min_8bit_size``), less the weights of ``nn.Embedding`` modules where
+    ``embeddings_fp32`` (``offload.fp32_embedding_state``), as bitsandbytes does."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} if embeddings_fp32 else set()
+    return frozenset(id(p) for p in model.parameters()
+                     if p.requires_grad and p.numel() >= min_size and id(p) not in embeddings)  # fmt: skip

@@ -15,6 +15,7 @@ byte of memory. Whatever does not fit stays on storage; a budget of 0 keeps ever
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from lightning_smartinf.core import Layout, Subgroup
@@ -55,17 +56,18 @@ def auto_budget(available: int, ranks: int, reserved: int) -> int:
     return max(0, available // (2 * ranks) - reserved)
 
 
-def place(budget: int, layout: Layout, state_bytes: float, grads: bool, state: bool, frozen: Layout | None = None,
-          frozen_itemsize: int = 0, params_itemsize: int = 0) -> HostPlacement:  # fmt: skip
+def place(budget: int, layout: Layout, state_bytes: Callable[[Subgroup], float], grads: bool, state: bool,
+          frozen: Layout | None = None, frozen_itemsize: int = 0,
+          params_itemsize: int = 0) -> HostPlacement:  # fmt: skip
     """Fill ``budget`` bytes: whole subgroups' 16-bit parameters (``params_itemsize`` bytes an element; 0: they are
     not the budget's to place), then the fp32 gradients (where ``grads``: they would otherwise go to storage), then
-    whole subgroups' state (``state_bytes`` an element: the fp32 master and the optimizer state, 4 bytes an element
-    each, about 1 at ``offload.state_precision=8bit``; where ``state``: the host update's state, the
+    whole subgroups' state (``state_bytes(sg)`` an element: the fp32 master and the optimizer state, 4 bytes an
+    element each, about 1 for a subgroup of 8-bit state; where ``state``: the host update's state, the
     host's to keep), then whole subgroups of the ``frozen`` layout (``frozen_itemsize`` bytes an element)."""
     params: list[str] = []
     left, in_ram, used = budget, False, 0
     if params_itemsize:
-        params, used = _first_fitting(layout.streamed_subgroups, params_itemsize, left)
+        params, used = _first_fitting(layout.streamed_subgroups, lambda _: params_itemsize, left)
         left -= used
     grad_bytes = 4 * layout.local_numel
     if grads and grad_bytes <= left:
@@ -76,17 +78,18 @@ def place(budget: int, layout: Layout, state_bytes: float, grads: bool, state: b
         left, used = left - taken, used + taken
     fixed: list[str] = []
     if frozen is not None and (len(keys) == len(layout.subgroups) or not state):  # the state first, all of it
-        fixed, taken = _first_fitting(frozen.subgroups, frozen_itemsize, left)
+        fixed, taken = _first_fitting(frozen.subgroups, lambda _: frozen_itemsize, left)
         used += taken
     return HostPlacement(budget, in_ram, frozenset(keys), used, frozenset(fixed), frozenset(params))
 
 
-def _first_fitting(subgroups: list[Subgroup], bytes_per_element: float, left: int) -> tuple[list[str], int]:
+def _first_fitting(subgroups: list[Subgroup], bytes_per_element: Callable[[Subgroup], float],
+                   left: int) -> tuple[list[str], int]:  # fmt: skip
     """The keys of the leading ``subgroups`` whose bytes fit in ``left`` together (up to the first that does not),
     and those bytes."""
     keys, used = [], 0
     for sg in subgroups:
-        nbytes = math.ceil(bytes_per_element * sg.numel)
+        nbytes = math.ceil(bytes_per_element(sg) * sg.numel)
         if used + nbytes > left:
             break
         keys.append(sg.key)

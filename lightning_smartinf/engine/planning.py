@@ -45,8 +45,9 @@ def workload_of(engine: OffloadEngine, batch: Any, checkpoint_bytes_per_sample: 
     streamed_on_disk = sum(b.numel for b in engine.layout.streamed) - placed if engine.cfg.params == "nvme" else 0
     streamed = streamed_on_disk * engine.itemsize
     states = len(engine.rule.states) if engine.rule else 0
-    state_bytes = 4 + states * quant8.bytes_per_element(engine.cfg.state_precision)  # master and optimizer state
     local = engine.layout.local_numel  # the elements this rank steps (all of them on one process)
+    state_bytes = sum((4 + states * quant8.bytes_per_element(sg.precision)) * sg.numel
+                      for sg in engine.layout.subgroups) / max(local, 1)  # master and optimizer state, per element
     grads_on_disk = engine.cfg.grads == "nvme" and not engine.placement.grads
     grad_read = 4 * local if grads_on_disk else 0
     params_write = engine.itemsize * (local - placed) if engine.cfg.params == "nvme" else 0

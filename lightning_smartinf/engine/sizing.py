@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from lightning_smartinf.config import CompressionConfig, OffloadConfig, UpdateConfig, parse_bytes
-from lightning_smartinf.core import Layout, block_pairs
+from lightning_smartinf.core import Layout, Subgroup, block_pairs
 from lightning_smartinf.engine.grads import GradientAccumulator
 from lightning_smartinf.engine.params import ParamStreamer
 from lightning_smartinf.engine.placement import HostPlacement, auto_budget, place
@@ -84,7 +84,7 @@ def planned_pool_bytes(layout: Layout, frozen_layout: Layout, itemsize: int, fro
         sparse = compression if compression.kind == "topk" else None
         total += SmartUpdater.planned_host_bytes(rule, len(device_specs(update.devices)), layout.max_subgroup_numel,
                                                  wire_dtype(update.wire, param_dtype), sparse,
-                                                 offload.state_precision)  # fmt: skip
+                                                 quant8.largest_payload(layout.subgroups))  # fmt: skip
     return total
 
 
@@ -99,7 +99,7 @@ def planned_storage_bytes(
     totals = [0] * len(cfg.paths)
     for sg in layout.subgroups:
         fp32 = align_up(sg.numel * 4)
-        state = align_up(quant8.payload(sg.numel, cfg.state_precision))
+        state = align_up(quant8.payload(sg.numel, sg.precision))
         total = fp32 + state * len(rule.states) if rule and state_here else 0
         total += fp32 if cfg.grads == "nvme" and state_here else 0
         streamed = not layout.blocks[sg.block].resident
@@ -130,11 +130,10 @@ def reserved_bytes(parts: Sizes, device: torch.device) -> int:
 
 
 def place_in_host_memory(parts: Sizes, setting: str, ranks_per_host: int, device: torch.device, grads: bool,
-                         state: bool, frozen: bool, params: bool,
-                         precision: str = quant8.FP32) -> HostPlacement:  # fmt: skip
+                         state: bool, frozen: bool, params: bool) -> HostPlacement:  # fmt: skip
     """``offload.host_memory_budget`` (``setting``): what of the state lives in host memory (engine/placement.py);
     ``grads``, ``state``, ``frozen`` and ``params``: whether the gradients, the optimizer state, the frozen weights
-    and the 16-bit parameters may go there; ``precision``: ``offload.state_precision``. ``auto`` is half the
+    and the 16-bit parameters may go there (a subgroup's state in its own precision). ``auto`` is half the
     available memory, shared by the ``ranks_per_host`` ranks, less the engine's own."""
     if setting == "auto":
         available, reserved = host_available_bytes(), reserved_bytes(parts, device)
@@ -146,7 +145,10 @@ def place_in_host_memory(parts: Sizes, setting: str, ranks_per_host: int, device
     else:
         budget = parse_bytes("offload.host_memory_budget", setting)
     kinds = len(parts.rule.states) if parts.rule is not None else 0
-    state_bytes = 4 + kinds * quant8.bytes_per_element(precision)
+
+    def state_bytes(sg: Subgroup) -> float:
+        return 4 + kinds * quant8.bytes_per_element(sg.precision)
+
     placement = place(budget, parts.layout, state_bytes, grads, state, parts.frozen_layout if frozen else None,
                       parts.frozen_itemsize, parts.itemsize if params else 0)  # fmt: skip
     if budget:

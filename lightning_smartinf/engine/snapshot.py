@@ -145,6 +145,7 @@ def blocks_record(layout: Layout) -> dict[str, Any]:
         "blocks": [{"name": b.name, "numel": b.numel, "params": [[s.name, s.offset, s.numel, list(s.shape)]
                                                                  for s in b.slots]} for b in layout.blocks],
         "subgroups": [[sg.key, sg.block, sg.param_group, sg.offset, sg.numel] for sg in layout.subgroups],
+        **({"fp32_state": layout.fp32_state} if layout.fp32_state is not None else {}),
     }  # fmt: skip
 
 
@@ -208,6 +209,9 @@ def signature_differences(saved: dict[str, Any], current: dict[str, Any], exact:
     if saved_precision != current["state_precision"]:
         found.append(f"offload.state_precision={saved_precision} (this run: {current['state_precision']}; a "
                      "resume keeps the state's precision)")  # fmt: skip
+    elif saved["layout"].get("fp32_state") != current["layout"].get("fp32_state"):
+        found.append("other parameters keeping fp32 state beside the 8-bit state (offload.min_8bit_size, "
+                     "offload.fp32_embedding_state; a checkpoint written before those keys quantized every parameter)")
     if exact and saved["state_directories"] != current["state_directories"]:
         found.append(f"{saved['state_directories']} state directories, one per update device or offload.nvme_path "
                      f"entry (this run: {current['state_directories']})")  # fmt: skip
@@ -389,9 +393,9 @@ def _relayout(engine: Stateful, manifest: Manifest, parts: list[tuple[str, dict[
     tiered = _in_ram(engine)
     in_ram = tiered.host_keys if tiered is not None else frozenset()
     directories = _state_dirs(engine)
-    quantized = _precision(engine) != FP32
     sums: dict[Path, WrittenSum] = {}
     for sg in engine.layout.subgroups:
+        quantized = sg.precision != FP32  # saved alike: the same rule laid out the saved subgroups' precisions
         for kind in _kinds(engine):
             data = saved.assemble_quantized(sg, kind) if quantized and kind != MASTER else saved.assemble(sg, kind)
             if data is None:  # saved before the first step: no optimizer state yet

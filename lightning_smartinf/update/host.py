@@ -99,7 +99,7 @@ class HostUpdater:
             self.pool.release(raw)
 
     def _sizes(self, sg: Subgroup) -> dict[str, int]:
-        state = quant8.payload(sg.numel, self.precision)
+        state = quant8.payload(sg.numel, sg.precision)
         return {MASTER: sg.numel * 4, **{kind: state for kind in self.rule.state_kinds}}
 
     def _load(self, sg: Subgroup, first_step: bool) -> _Loaded:
@@ -110,7 +110,7 @@ class HostUpdater:
         for spec in self.rule.states:
             size = loaded.sizes[spec.kind]
             if first_step:
-                if self.precision == quant8.FP32:
+                if sg.precision == quant8.FP32:
                     loaded.tensor(spec.kind).fill_(spec.init)
                 _zero_padding(loaded.raw[spec.kind], size)
             elif host is None:
@@ -130,7 +130,7 @@ class HostUpdater:
 
     def _state(self, loaded: _Loaded, first_step: bool) -> dict[str, torch.Tensor]:
         """The subgroup's state as fp32 tensors: its buffers themselves, or 8-bit state widened."""
-        if self.precision == quant8.FP32:
+        if loaded.sg.precision == quant8.FP32:
             return {kind: loaded.tensor(kind) for kind in self.rule.state_kinds}
         numel = loaded.sg.numel
         if not self._wide:
@@ -147,14 +147,15 @@ class HostUpdater:
         hyper = ctx.hyper[loaded.sg.param_group]
         ctx.prepare(grad)
         master = loaded.tensor(MASTER)
-        if self.precision == quant8.INT8:
-            quantized = {kind: loaded.raw[kind] for kind in self.rule.state_kinds}
+        quantized = loaded.sg.precision == quant8.INT8
+        if quantized:
+            raw = {kind: loaded.raw[kind] for kind in self.rule.state_kinds}
             inits = {spec.kind: spec.init for spec in self.rule.states}
-            if quant8.fused_step(self.rule, master, grad, quantized, hyper, ctx.step, inits):
+            if quant8.fused_step(self.rule, master, grad, raw, hyper, ctx.step, inits):
                 return
         state = self._state(loaded, ctx.step == 1)
         self._math(master, grad, state, hyper, ctx)
-        if self.precision == quant8.INT8:
+        if quantized:
             for kind, values in state.items():
                 quant8.quantize(values, quant8.is_signed(kind), loaded.raw[kind])
 

@@ -20,6 +20,7 @@ values (fp32). ``BLOCK`` divides the 2048-element subgroup alignment, so blocks 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lightning_smartinf.core import Subgroup
 from lightning_smartinf.ops import clear_stale_lock, extension_build_directory
 from lightning_smartinf.update.arguments import kernel_scalars
 from lightning_smartinf.update.optimizers import OptimizerRule
@@ -77,6 +79,12 @@ def codes_bytes(numel: int) -> int:
 def payload(numel: int, precision: str) -> int:
     """Bytes one state tensor of ``numel`` elements takes in ``precision``."""
     return 4 * numel if precision == FP32 else codes_bytes(numel) + 4 * blocks(numel)
+
+
+def largest_payload(subgroups: Iterable[Subgroup]) -> int:
+    """Bytes of the largest state tensor of ``subgroups``, each in its own precision: what a buffer that holds any
+    of them takes."""
+    return max((payload(sg.numel, sg.precision) for sg in subgroups), default=0)
 
 
 def bytes_per_element(precision: str) -> float:

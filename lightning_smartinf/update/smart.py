@@ -74,8 +74,8 @@ class _Slot:
 
     def __init__(self, cl: Any, context: Any, rule: OptimizerRule, numel: int, grad_dtype: torch.dtype,
                  param_dtype: torch.dtype, max_nnz: int, squares: bool, allocator: Allocator,
-                 precision: str = quant8.FP32) -> None:  # fmt: skip
-        sizes = self.sizes(rule, numel, grad_dtype, param_dtype, max_nnz, squares, precision)
+                 state_bytes: int) -> None:  # fmt: skip
+        sizes = self.sizes(rule, numel, grad_dtype, param_dtype, max_nnz, squares, state_bytes)
         self.allocator = allocator  # the device store's: page-locked, so its aio reads and writes need no bounce
         self.host = {kind: allocator.allocate(size) for kind, size in sizes.items()}
         flags = cl.mem_flags.READ_WRITE | cl.mem_flags.USE_HOST_PTR
@@ -88,9 +88,9 @@ class _Slot:
 
     @staticmethod
     def sizes(rule: OptimizerRule, numel: int, grad_dtype: torch.dtype, param_dtype: torch.dtype, max_nnz: int,
-              squares: bool, precision: str) -> dict[str, int]:  # fmt: skip
-        """Bytes of each of its host buffers."""
-        sizes = {MASTER: 4 * numel, **{k: quant8.payload(numel, precision) for k in rule.state_kinds}}
+              squares: bool, state_bytes: int) -> dict[str, int]:  # fmt: skip
+        """Bytes of each of its host buffers (``state_bytes``: of each state kind's, ``quant8.largest_payload``)."""
+        sizes = {MASTER: 4 * numel, **{k: state_bytes for k in rule.state_kinds}}
         sizes[GRAD] = torch.empty((), dtype=grad_dtype).element_size() * numel
         sizes[PARAM] = torch.empty((), dtype=param_dtype).element_size() * numel
         if max_nnz:  # SmartComp: int32 indices and 16-bit values in, decompressed into "grad"
@@ -134,9 +134,10 @@ class NearStorageDevice:
 
     def __init__(self, index: int, spec: DeviceSpec, directory: Path, rule: OptimizerRule, store: FileStore,
                  max_numel: int, wire_dtype: torch.dtype, compression: CompressionConfig | None,
-                 outbox: queue.Queue[Outbound], precision: str = quant8.FP32) -> None:  # fmt: skip
+                 outbox: queue.Queue[Outbound], precision: str, state_bytes: int) -> None:  # fmt: skip
         """``wire_dtype`` is both the gradient's dtype in and the parameters' dtype out; ``precision``: of the
-        optimizer state in the device's files (``offload.state_precision``)."""
+        optimizer state in the device's files (``offload.state_precision``; with ``8bit``, the subgroups that keep
+        fp32 state step as with ``fp32``); ``state_bytes``: of each state buffer."""
         cl = require("pyopencl", SMART_NEEDS)
 
         grad_dtype = param_dtype = wire_dtype
@@ -162,7 +163,7 @@ class NearStorageDevice:
         self.precision = precision
         self.quantizer = DeviceQuantizer(cl, self.context, self.device) if precision == quant8.INT8 else None
         self.slots = [_Slot(cl, self.context, rule, max_numel, grad_dtype, param_dtype, nnz, squares,
-                            store.allocator, precision) for _ in range(SLOTS)]  # fmt: skip
+                            store.allocator, state_bytes) for _ in range(SLOTS)]  # fmt: skip
         if self.quantizer is not None:
             for slot in self.slots:
                 slot.wide = self.quantizer.wide_buffers(rule.state_kinds, max_numel)
@@ -186,6 +187,10 @@ class NearStorageDevice:
         return sum(raw.numel() for slot in self.slots for raw in slot.host.values())
 
     # -- the transfer handler, on the device's own thread --------------------------------------------------------
+    def _quantized(self, sg: Subgroup) -> bool:
+        """Whether ``sg``'s state is 8-bit (the device widens and quantizes it around the optimizer kernel)."""
+        return self.quantizer is not None and sg.precision == quant8.INT8
+
     def _run(self) -> None:
         previous: tuple[_Slot, Any] | None = None
         turn = 0
@@ -218,7 +223,7 @@ class NearStorageDevice:
         """Enqueue the subgroup's kernels (one in-order queue) and return the last one's event."""
         b, n = slot.buffers, np.uint32(job.sg.numel)
         sparse = job.gradient
-        if self.quantizer is not None:  # 8-bit state: widened on the device, stepped, quantized back
+        if self.quantizer is not None and self._quantized(job.sg):  # 8-bit state: widened, stepped, quantized back
             for spec in self.rule.states:
                 init = spec.init if job.ctx.step == 1 else None
                 self.quantizer.widen(self.queue, b[spec.kind], slot.wide[spec.kind], spec.kind, job.sg.numel, init)
@@ -242,7 +247,7 @@ class NearStorageDevice:
 
     def _narrow(self, slot: _Slot, job: Job, event: Any) -> Any:
         """8-bit state: quantize the stepped state back into the buffers written to storage; the last event."""
-        if self.quantizer is None:
+        if self.quantizer is None or not self._quantized(job.sg):
             return event
         for kind in self.rule.state_kinds:
             event = self.quantizer.narrow(self.queue, slot.wide[kind], slot.buffers[kind], kind, job.sg.numel)
@@ -252,10 +257,10 @@ class NearStorageDevice:
         sg, first = job.sg, job.ctx.step == 1
         slot.sg = sg
         reads = [self.store.read(MASTER, sg.key, slot.host[MASTER], sg.numel * 4)]
-        state_bytes = quant8.payload(sg.numel, self.precision)
+        state_bytes = quant8.payload(sg.numel, sg.precision)
         for spec in self.rule.states:
             if first:
-                if self.quantizer is None:  # 8-bit state starts on the device (DeviceQuantizer.widen)
+                if not self._quantized(sg):  # 8-bit state starts on the device (DeviceQuantizer.widen)
                     typed_view(slot.host[spec.kind], torch.float32, sg.numel).fill_(spec.init)
             else:
                 reads.append(self.store.read(spec.kind, sg.key, slot.host[spec.kind], state_bytes))
@@ -284,7 +289,8 @@ class NearStorageDevice:
         the rule has none for (SGD without momentum) gets the master buffer, which the kernel then never reads."""
         b, names = slot.buffers, self.kernel.arguments
         state_params = names[1 : names.index("grad")]
-        state = [(slot.wide or b)[kind] for kind in self.rule.state_kinds if kind != LAST_STEP]
+        state = [(slot.wide if self._quantized(job.sg) else b)[kind] for kind in self.rule.state_kinds
+                 if kind != LAST_STEP]
         state += [b[MASTER]] * (len(state_params) - len(state))
         scalars = names[len(DENSE) + len(state_params) :]
         return {"master": b[MASTER], **dict(zip(state_params, state, strict=True)), "grad": b[GRAD],
@@ -300,7 +306,7 @@ class NearStorageDevice:
         params = typed_view(slot.host[PARAM], self.param_dtype, sg.numel).clone()
         self.store.counters.add(HOST_LINK, UPDATED, READ, params.numel() * params.element_size())
         self.outbox.put(Updated(sg, params))
-        state_bytes = quant8.payload(sg.numel, self.precision)
+        state_bytes = quant8.payload(sg.numel, sg.precision)
         slot.writes.append(self.store.write(MASTER, sg.key, slot.host[MASTER], sg.numel * 4))
         for kind in self.rule.state_kinds:
             slot.writes.append(self.store.write(kind, sg.key, slot.host[kind], state_bytes))
@@ -331,11 +337,12 @@ class SmartUpdater:
 
     @staticmethod
     def planned_host_bytes(rule: OptimizerRule, devices: int, max_numel: int, wire_dtype: torch.dtype,
-                           compression: CompressionConfig | None, precision: str) -> int:  # fmt: skip
-        """``host_bytes`` before any device is opened: each device's slots of host buffers."""
+                           compression: CompressionConfig | None, state_bytes: int) -> int:  # fmt: skip
+        """``host_bytes`` before any device is opened: each device's slots of host buffers (``state_bytes``: of
+        each state buffer, ``quant8.largest_payload``)."""
         nnz = max_nnz(max_numel, compression) if compression is not None else 0
         squares = compression is not None and compression.catch_up
-        sizes = _Slot.sizes(rule, max_numel, wire_dtype, wire_dtype, nnz, squares, precision)
+        sizes = _Slot.sizes(rule, max_numel, wire_dtype, wire_dtype, nnz, squares, state_bytes)
         return devices * SLOTS * sum(allocated_bytes(n) for n in sizes.values())
 
     def __init__(
@@ -365,14 +372,15 @@ class SmartUpdater:
         self.outbox: queue.Queue[Outbound] = queue.Queue()
         owned = [0] * len(specs)
         for sg in layout.subgroups:
-            state = align_up(quant8.payload(sg.numel, precision)) * len(rule.states)
+            state = align_up(quant8.payload(sg.numel, sg.precision)) * len(rule.states)
             owned[sg.index % len(specs)] += align_up(sg.numel * 4) * (1 + grads_on_device) + state
         for k, spec in enumerate(specs):
             directory = Path(spec.path).expanduser().resolve() if spec.path else root / device_link(k)
             store = make_store(directory, device_link(k), owned[k])
             compression = compressor.cfg if compressor is not None else None
             self.devices.append(NearStorageDevice(k, spec, directory, rule, store, layout.max_subgroup_numel,
-                                                  wire_dtype, compression, self.outbox, precision))  # fmt: skip
+                                                  wire_dtype, compression, self.outbox, precision,
+                                                  quant8.largest_payload(layout.subgroups)))  # fmt: skip
         self._routes = {sg.key: self.owner(sg).host_view for sg in layout.subgroups}
         wire = "fp32" if wire_dtype == torch.float32 else str(wire_dtype).replace("torch.", "")
         eight = "; 8-bit state" if precision == quant8.INT8 else ""

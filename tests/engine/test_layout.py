@@ -7,7 +7,7 @@ import torch
 from helpers import TINY
 
 from lightning_smartinf.core import ELEMENT_ALIGN
-from lightning_smartinf.engine.layout import build_layout
+from lightning_smartinf.engine.layout import build_layout, eight_bit_params
 from lightning_smartinf.models.gpt import GPT
 from lightning_smartinf.schedule.horizontal import find_blocks
 
@@ -31,6 +31,28 @@ def test_param_groups_split_subgroups() -> None:
     layout = build_layout(model, find_blocks(model), [decay, no_decay], subgroup_size=1 << 20)
     assert {sg.param_group for sg in layout.subgroups} == {0, 1}
     assert all(len(b.subgroups) == 2 for b in layout.streamed)
+
+
+def test_8bit_state_leaves_small_tensors_and_embeddings_fp32_in_subgroups_of_their_own() -> None:
+    """As bitsandbytes: tensors under ``offload.min_8bit_size`` elements and embedding weights keep fp32 state; each
+    group's region splits in two, so every subgroup has one precision and no quantization block spans both."""
+    model = GPT(TINY)
+    eight = eight_bit_params(model, 4096, embeddings_fp32=True)
+    names = {id(p): n for n, p in model.named_parameters()}
+    kept = sorted(names[i] for i in {id(p) for p in model.parameters()} - eight)
+    assert "wte.weight" in kept and all(p.numel() >= 4096 for p in model.parameters() if id(p) in eight)
+    assert any(p.numel() < 4096 for p in model.parameters()) and eight
+    layout = build_layout(model, find_blocks(model), [list(model.parameters())], 4096, eight_bit=eight)
+    assert sorted(layout.fp32_state or []) == kept
+    for block in layout.blocks:
+        for slot in block.slots:
+            covering = [sg for sg in block.subgroups if sg.offset < slot.offset + slot.numel
+                        and slot.offset < sg.offset + sg.numel]  # fmt: skip
+            assert {sg.precision for sg in covering} == {"8bit" if id(slot.param) in eight else "fp32"}, slot.name
+    everything = eight_bit_params(model, 0, embeddings_fp32=False)
+    assert everything == {id(p) for p in model.parameters()}
+    plain = build_layout(model, find_blocks(model), [list(model.parameters())], 4096)
+    assert plain.fp32_state is None and {sg.precision for sg in plain.subgroups} == {"fp32"}
 
 
 def test_parameter_missing_from_optimizer_is_named() -> None:

@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.checkpoint import latest_checkpoint
+from lightning_smartinf.core import Subgroup
 from lightning_smartinf.engine import sizing
 from lightning_smartinf.engine.placement import place
 from lightning_smartinf.engine.snapshot import engine_nbytes
@@ -25,22 +26,27 @@ def strategy(root: Path, budget: str) -> SmartInfinityStrategy:
                                           "host_memory_budget": budget}, update={"host_adam": "torch"})  # fmt: skip
 
 
+def sixteen(sg: Subgroup) -> float:
+    """The state bytes of an element, for these checks: 16 in every subgroup."""
+    return 16
+
+
 def test_the_budget_takes_parameters_then_gradients_then_subgroups_in_forward_order(smart, tmp_path: Path) -> None:
     trainer = fit(make_module(), smart(), max_steps=1)
     layout = trainer.strategy.engine.layout
     grads = 4 * layout.local_numel
     first = layout.subgroups[0]
-    placed = place(grads + 16 * first.numel, layout, 16, grads=True, state=True)
+    placed = place(grads + 16 * first.numel, layout, sixteen, grads=True, state=True)
     assert placed.grads and placed.state == {first.key} and placed.nbytes == grads + 16 * first.numel
-    assert place(grads - 1, layout, 16, True, True).grads is False
-    assert place(10**12, layout, 16, grads=True, state=False).state == frozenset()  # SmartUpdate: the devices' state
-    assert place(10**12, layout, 16, grads=False, state=True).grads is False  # offload.grads=cpu: in RAM already
+    assert place(grads - 1, layout, sixteen, True, True).grads is False
+    assert place(10**12, layout, sixteen, grads=True, state=False).state == frozenset()  # SmartUpdate: the devices' state
+    assert place(10**12, layout, sixteen, grads=False, state=True).grads is False  # offload.grads=cpu: in RAM already
     # the 16-bit parameters of the streamed blocks come before everything (the resident block's are in RAM already)
     streamed = [sg for sg in layout.subgroups if not layout.blocks[sg.block].resident]
     every = 2 * sum(sg.numel for sg in streamed)
-    placed = place(every + grads, layout, 16, grads=True, state=True, params_itemsize=2)
+    placed = place(every + grads, layout, sixteen, grads=True, state=True, params_itemsize=2)
     assert placed.params == {sg.key for sg in streamed} and placed.grads and not placed.state
-    placed = place(2 * streamed[0].numel, layout, 16, grads=True, state=True, params_itemsize=2)
+    placed = place(2 * streamed[0].numel, layout, sixteen, grads=True, state=True, params_itemsize=2)
     assert placed.params == {streamed[0].key} and not placed.grads
     with pytest.raises(ConfigError, match="offload.host_memory_budget='lots' is not a size"):
         strategy(tmp_path, "lots")

@@ -135,7 +135,7 @@ class Gradients:
 @pytest.mark.parametrize("where", ["disk", "ram"])
 def test_the_host_update_with_8bit_state_equals_the_reference_over_20_steps(where: str, tmp_path: Path) -> None:
     torch.manual_seed(1)
-    subgroups = [Subgroup(0, 1, 0, 0, 2 * BLOCK + 904), Subgroup(1, 1, 0, 3 * BLOCK, BLOCK)]
+    subgroups = [Subgroup(0, 1, 0, 0, 2 * BLOCK + 904, quant8.INT8), Subgroup(1, 1, 0, 3 * BLOCK, BLOCK, quant8.INT8)]
     rule = OptimizerRule("adamw", (StateSpec("exp_avg", 0.0), StateSpec("exp_avg_sq", 0.0)))
     backend = make_backend("threads", tmp_path, threads=2, intra_op_parallelism=1, block_size=1 << 20, queue_depth=8)
     disk = FileStore(tmp_path, backend, TrafficCounters(), "host", verify=True)
@@ -227,7 +227,7 @@ def test_the_fused_host_update_equals_widening_stepping_and_quantizing_apart(
     """The one-pass kernel (the device kernels' arithmetic) against the three passes with torch's optimizer over 6
     steps, for every optimizer with state: the same weights to float rounding."""
     rule, hyper = RULES[name]
-    subgroups = [Subgroup(0, 1, 0, 0, BLOCK + 77)]
+    subgroups = [Subgroup(0, 1, 0, 0, BLOCK + 77, quant8.INT8)]
     torch.manual_seed(3)
     start = torch.randn(subgroups[0].numel)
     steps = [torch.randn(subgroups[0].numel) * 10.0 ** -(i % 3) for i in range(6)]
@@ -258,9 +258,10 @@ def test_smart_update_with_8bit_state_equals_the_host_update(smart, optimizer: s
     from helpers import fit, make_module
 
     settings = {"precision": "32-true", "gradient_clip_val": 0.5}
+    every = {"state_precision": "8bit", "min_8bit_size": 0, "fp32_embedding_state": False}  # every state 8-bit
     host = make_module(optimizer, lr=1e-3)
-    fit(host, smart(nvme_path=smart.root / "host", state_precision="8bit"), **settings)
-    on_devices = smart(nvme_path=smart.root / "dev", state_precision="8bit", update={"backend": "smart", "devices": 2})
+    fit(host, smart(nvme_path=smart.root / "host", **every), **settings)
+    on_devices = smart(nvme_path=smart.root / "dev", **every, update={"backend": "smart", "devices": 2})
     device = fit(make_module(optimizer, lr=1e-3), on_devices, **settings)
     assert "8-bit state" in device.strategy.engine.updater.name
     weights = device.strategy.consolidated_state_dict()
@@ -270,3 +271,24 @@ def test_smart_update_with_8bit_state_equals_the_host_update(smart, optimizer: s
     state = next((smart.root / "dev").rglob(f"{kind}/sg000000"))
     numel = next(sg.numel for sg in device.strategy.engine.layout.subgroups if sg.key == "sg000000")
     assert state.stat().st_size == -(-quant8.payload(numel, quant8.INT8) // 4096) * 4096
+
+
+def test_small_tensors_and_embeddings_keep_fp32_state_on_the_host_and_the_devices(smart) -> None:  # noqa: ANN001
+    """The defaults (``offload.min_8bit_size=4096``, ``offload.fp32_embedding_state=true``): the state files of the
+    subgroups that keep fp32 state are fp32, the others quantized, on the host and on 2 near-storage devices; the
+    two runs agree to the fp32 state's rounding (the host steps it with torch, the devices with their kernels)."""
+    from helpers import fit, make_module, relative_error
+
+    settings = {"precision": "32-true", "gradient_clip_val": 0.5}
+    host = make_module("adamw", lr=1e-3)
+    fit(host, smart(nvme_path=smart.root / "host", state_precision="8bit"), **settings)
+    device = fit(make_module("adamw", lr=1e-3), smart(nvme_path=smart.root / "dev", state_precision="8bit",
+                 update={"backend": "smart", "devices": 2}), **settings)  # fmt: skip
+    layout = device.strategy.engine.layout
+    assert {sg.precision for sg in layout.subgroups} == {quant8.FP32, quant8.INT8}
+    assert "gpt.wte.weight" in (layout.fp32_state or [])
+    for root in (smart.root / "host", smart.root / "dev"):
+        for sg in layout.subgroups:
+            state = next(root.rglob(f"exp_avg_sq/{sg.key}"))
+            assert state.stat().st_size == -(-quant8.payload(sg.numel, sg.precision) // 4096) * 4096, (root, sg)
+    assert relative_error(device.strategy.consolidated_state_dict(), host) < 1e-5
