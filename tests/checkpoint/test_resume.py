@@ -105,3 +105,6 @@ def test_resume_with_another_state_precision_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"offload.state_precision=8bit \(this run: fp32; a resume keeps"):
         fp32 = {k: v for k, v in settings.items() if k != "offload"}
         train(tmp_path / "second", 4, fp32, precision, resume=checkpoint)
+    other = {**settings, "offload": {**settings["offload"], "fp32_embedding_state": False}}
+    with pytest.raises(ConfigError, match=r"other parameters keeping fp32 state beside the 8-bit state \(offload."):
+        train(tmp_path / "third", 4, other, precision, resume=checkpoint)
