@@ -39,8 +39,9 @@ def test_the_budget_takes_parameters_then_gradients_then_subgroups_in_forward_or
     placed = place(grads + 16 * first.numel, layout, sixteen, grads=True, state=True)
     assert placed.grads and placed.state == {first.key} and placed.nbytes == grads + 16 * first.numel
     assert place(grads - 1, layout, sixteen, True, True).grads is False
-    assert place(10**12, layout, sixteen, grads=True, state=False).state == frozenset()  # SmartUpdate: the devices' state
-    assert place(10**12, layout, sixteen, grads=False, state=True).grads is False  # offload.grads=cpu: in RAM already
+    # SmartUpdate: the devices' state; offload.grads=cpu: in RAM already
+    assert place(10**12, layout, sixteen, grads=True, state=False).state == frozenset()
+    assert place(10**12, layout, sixteen, grads=False, state=True).grads is False
     # the 16-bit parameters of the streamed blocks come before everything (the resident block's are in RAM already)
     streamed = [sg for sg in layout.subgroups if not layout.blocks[sg.block].resident]
     every = 2 * sum(sg.numel for sg in streamed)
