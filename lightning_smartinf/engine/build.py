@@ -336,7 +336,7 @@ def make_updater(rule: OptimizerRule, update: UpdateConfig, offload: OffloadConf
         adam = rule.name in ("adam", "adamw") and offload.state_precision == quant8.FP32
         kernel = load_cpu_adam(update.host_adam) if adam else None
         return HostUpdater(rule, tier or disk, layout.max_subgroup_numel, offload.step_lookahead, kernel,
-                           offload.state_precision)  # fmt: skip
+                           offload.state_precision, quant8.largest_payload(layout.subgroups))  # fmt: skip
     if update.wire == "16bit" and param_dtype == torch.float32:
         raise ConfigError("update.wire=16bit needs a 16-bit training precision (bf16-mixed or 16-mixed)")
     wire = wire_dtype(update.wire, param_dtype)

@@ -77,7 +77,8 @@ def planned_pool_bytes(layout: Layout, frozen_layout: Layout, itemsize: int, fro
         shapes += ParamStreamer.pool_shapes(frozen_layout, frozen_itemsize, offload.prefetch)
     shapes.append(GradientAccumulator.pool_shape(layout, offload.step_lookahead))
     if rule is not None and update.backend == "host":
-        shapes.append(HostUpdater.pool_shape(rule, layout.max_subgroup_numel, offload.step_lookahead))
+        shapes += HostUpdater.pool_shapes(rule, layout.max_subgroup_numel, quant8.largest_payload(layout.subgroups),
+                                          offload.step_lookahead)  # fmt: skip
     total = sum(BufferPool.planned_bytes(count, nbytes) for count, nbytes in shapes)
     total += allocated_bytes(layout.max_block_numel * 4)  # grad_flat
     if rule is not None and update.backend != "host":

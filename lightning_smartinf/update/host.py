@@ -3,7 +3,8 @@
 Per subgroup the host link carries 4 B/param of gradient plus 12 B/param (Adam: master, exp_avg, exp_avg_sq) each
 way; with ``offload.state_precision=8bit`` the state tensors travel block-wise quantized (update/quant8.py), about
 6 B/param, and are widened to fp32 only for the update's math. The next ``lookahead`` subgroups' state is read while
-the current one updates, and write-backs complete in the background; buffers come from one fixed pool, so host
+the current one updates, and write-backs complete in the background; buffers come from two fixed pools, one for the
+masters and one for the state sized for the largest state tensor (a quarter of fp32's with 8-bit state), so host
 memory does not grow with the model.
 """
 
@@ -36,16 +37,17 @@ def _zero_padding(raw: torch.Tensor, payload: int) -> None:
 class _Loaded:
     """A subgroup's master and state buffers, with the reads that fill them: pooled buffers for state on storage,
     or (``host``) the stored tensors themselves for state in host memory, updated in place. ``sizes``: each kind's
-    payload in bytes."""
+    payload in bytes; ``pool_of``: the pool each kind's buffer comes from."""
 
-    def __init__(self, sg: Subgroup, sizes: dict[str, int], pool: BufferPool, host: HostStore | None = None) -> None:
+    def __init__(self, sg: Subgroup, sizes: dict[str, int], pool_of: Callable[[str], BufferPool],
+                 host: HostStore | None = None) -> None:  # fmt: skip
         self.sg = sg
         self.sizes = sizes
         self.in_place = host is not None
         if host is not None:
             self.raw = {kind: host.slot(kind, sg.key, size) for kind, size in sizes.items()}
         else:
-            self.raw = {kind: pool.acquire(size) for kind, size in sizes.items()}
+            self.raw = {kind: pool_of(kind).acquire(size) for kind, size in sizes.items()}
         self.reads: list[Future[None]] = []
 
     def tensor(self, kind: str) -> torch.Tensor:
@@ -63,7 +65,10 @@ class HostUpdater:
         lookahead: int,
         adam_kernel: DeepSpeedCPUAdamKernel | None,
         precision: str = quant8.FP32,
+        state_bytes: int | None = None,
     ) -> None:
+        """``state_bytes``: of the largest state tensor (``quant8.largest_payload`` of the subgroups; None: fp32's
+        of the largest subgroup)."""
         self.rule = rule
         self.precision = precision
         """Of the optimizer state (``offload.state_precision``): ``fp32``, or ``8bit`` (block-wise quantized)."""
@@ -74,21 +79,36 @@ class HostUpdater:
         self.store = store
         self.lookahead = lookahead
         self.adam_kernel = adam_kernel
-        self.pool = BufferPool(*self.pool_shape(rule, max_subgroup_numel, lookahead), allocator=store.allocator)
+        state_bytes = 4 * max_subgroup_numel if state_bytes is None else state_bytes
+        (masters, master_bytes), *state = self.pool_shapes(rule, max_subgroup_numel, state_bytes, lookahead)
+        self.pool = BufferPool(masters, master_bytes, allocator=store.allocator)
+        """The masters' buffers."""
+        self.state_pool = BufferPool(*state[0], allocator=store.allocator) if state else None
+        """The optimizer state's buffers (None: a rule without state)."""
         kernel = "deepspeed cpu_adam" if adam_kernel and rule.name in ("adam", "adamw") else f"torch {rule.name}"
         if precision == quant8.INT8:
             kernel = f"{rule.name} fused with 8-bit state" if quant8.kernel() else f"torch {rule.name}, 8-bit state"
         self.name = f"host ({kernel})"
 
     @staticmethod
-    def pool_shape(rule: OptimizerRule, max_subgroup_numel: int, lookahead: int) -> tuple[int, int]:
-        """(buffers, bytes each): master and state of the subgroups in flight (``lookahead`` being read, one
-        updating, one being written back)."""
-        return (lookahead + 2) * (1 + len(rule.states)), max_subgroup_numel * 4
+    def pool_shapes(rule: OptimizerRule, max_subgroup_numel: int, state_bytes: int,
+                    lookahead: int) -> list[tuple[int, int]]:  # fmt: skip
+        """(buffers, bytes each) of the masters' pool, then of the state's (where the rule has state), for the
+        subgroups in flight (``lookahead`` being read, one updating, one being written back)."""
+        flight = lookahead + 2
+        shapes = [(flight, max_subgroup_numel * 4)]
+        if rule.states:
+            shapes.append((flight * len(rule.states), state_bytes))
+        return shapes
+
+    def _pool_of(self, kind: str) -> BufferPool:
+        pool = self.pool if kind == MASTER else self.state_pool
+        assert pool is not None, kind
+        return pool
 
     @property
     def host_bytes(self) -> int:
-        return self.pool.total_bytes
+        return self.pool.total_bytes + (self.state_pool.total_bytes if self.state_pool is not None else 0)
 
     def initialize(self, subgroups: Sequence[Subgroup], master_of: Callable[[Subgroup], torch.Tensor]) -> None:
         for sg in subgroups:
@@ -104,7 +124,7 @@ class HostUpdater:
 
     def _load(self, sg: Subgroup, first_step: bool) -> _Loaded:
         host = in_host_memory(self.store, sg.key)
-        loaded = _Loaded(sg, self._sizes(sg), self.pool, host)
+        loaded = _Loaded(sg, self._sizes(sg), self._pool_of, host)
         if host is None:
             loaded.reads.append(self.store.read(MASTER, sg.key, loaded.raw[MASTER], sg.numel * 4))
         for spec in self.rule.states:
@@ -122,11 +142,12 @@ class HostUpdater:
             return
         for kind, raw in loaded.raw.items():
             future = self.store.write(kind, loaded.sg.key, raw, loaded.sizes[kind])
-            future.add_done_callback(self._releaser(raw))
+            future.add_done_callback(self._releaser(kind, raw))
             writes.append(future)
 
-    def _releaser(self, raw: torch.Tensor) -> Callable[[Future[None]], None]:
-        return lambda _future: self.pool.release(raw)
+    def _releaser(self, kind: str, raw: torch.Tensor) -> Callable[[Future[None]], None]:
+        pool = self._pool_of(kind)
+        return lambda _future: pool.release(raw)
 
     def _state(self, loaded: _Loaded, first_step: bool) -> dict[str, torch.Tensor]:
         """The subgroup's state as fp32 tensors: its buffers themselves, or 8-bit state widened."""
@@ -209,8 +230,8 @@ class HostUpdater:
         for read in loaded.reads:
             read.exception()
         if not loaded.in_place:
-            for raw in loaded.raw.values():
-                self.pool.release(raw)
+            for kind, raw in loaded.raw.items():
+                self._pool_of(kind).release(raw)
 
     def state_directories(self) -> list[Path]:
         return self.store.roots
@@ -225,5 +246,7 @@ class HostUpdater:
 
     def close(self) -> None:
         self.pool.close()
+        if self.state_pool is not None:
+            self.state_pool.close()
         if self.adam_kernel is not None:
             self.adam_kernel.close()

@@ -78,7 +78,7 @@ def test_state_and_gradients_in_ram_are_updated_where_they_are_stored(tmp_path: 
     class CountPools(pl.Callback):
         def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             engine = trainer.strategy.engine  # type: ignore[attr-defined]
-            for pool in (engine.updater.pool, engine.grads.pool):
+            for pool in (engine.updater.pool, engine.updater.state_pool, engine.grads.pool):
                 take = pool.acquire
                 pool.acquire = lambda n, take=take: (taken.append(n) if counting[0] else None) or take(n)
             counting[0] = True
