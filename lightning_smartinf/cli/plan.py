@@ -39,6 +39,9 @@ from lightning_smartinf.bench.model import (
 )
 from lightning_smartinf.bench.systems import NAMES, Workload
 from lightning_smartinf.cli.bench import recipe_model, run_one
+from lightning_smartinf.config import OffloadConfig
+from lightning_smartinf.engine.layout import eight_bit_params
+from lightning_smartinf.models.gpt import GPT, GPTConfig
 from lightning_smartinf.resources import asset_dir
 from lightning_smartinf.schedule import timing
 from lightning_smartinf.schedule.planner import Plan, plan, probe_machine
@@ -53,10 +56,34 @@ def job_of(model: dict[str, Any], seq: int, micro_batch: int, micro_batches: int
     return Job(layers * block + resident, layers * block, tokens, micro_batches, 2 * d * (layers + 1))
 
 
+def gpt_on_meta(model: dict[str, Any]) -> torch.nn.Module:
+    """A GPT recipe's network built on meta (no weights): which of its parameters keep fp32 state."""
+    with torch.device("meta"):
+        return GPT(GPTConfig(**{f.name: model[f.name] for f in dataclasses.fields(GPTConfig) if f.name in model}))
+
+
+def fp32_share(built: torch.nn.Module, min_size: int, embeddings_fp32: bool) -> float:
+    """The share of the trainable parameters that keep fp32 state beside 8-bit state (``engine.layout.
+    eight_bit_params``: small tensors, embeddings), as the run's layout stores them."""
+    trainable = sum(p.numel() for p in built.parameters() if p.requires_grad)
+    quantized = eight_bit_params(built, min_size, embeddings_fp32)
+    eight = sum(p.numel() for p in built.parameters() if id(p) in quantized)
+    return 1 - eight / trainable if trainable else 0.0
+
+
+def state_bytes(precision: str, share_fp32: float) -> float:
+    """Bytes of fp32 master and optimizer state a trainable parameter keeps on storage, averaged over them: 12 in
+    fp32; with 8-bit state those that keep fp32 state (``share_fp32`` of them) count 12 and the rest about 6."""
+    fp32 = quant8.bytes_per_element(quant8.FP32)
+    if precision == quant8.FP32:
+        return 4 + 2 * fp32
+    return 4 + 2 * (share_fp32 * fp32 + (1 - share_fp32) * quant8.bytes_per_element(precision))
+
+
 def hf_job(model: dict[str, Any], seq: int, micro_batch: int, micro_batches: int,
-           lora: dict[str, Any] | None = None) -> tuple[Job, int]:  # fmt: skip
-    """A Hugging Face architecture recipe's job, counted on the model built on meta (no weights), and its layers;
-    with ``lora``, a bf16 base frozen under adapters (what trains, what only streams)."""
+           lora: dict[str, Any] | None = None) -> tuple[Job, int, torch.nn.Module]:  # fmt: skip
+    """A Hugging Face architecture recipe's job, counted on the model built on meta (no weights), its layers and the
+    model; with ``lora``, a bf16 base frozen under adapters (what trains, what only streams)."""
     from lightning_smartinf.ecosystem.hf import build_model, load_config, with_lora
 
     config = load_config(None, model["config"])
@@ -74,7 +101,7 @@ def hf_job(model: dict[str, Any], seq: int, micro_batch: int, micro_batches: int
     job = Job(count.get((True, True), 0) + count.get((True, False), 0), count.get((True, True), 0),
               seq * micro_batch * micro_batches, micro_batches, 2 * d * (layers + 1),
               frozen=count.get((False, True), 0), frozen_resident=count.get((False, False), 0))  # fmt: skip
-    return job, layers
+    return job, layers, built
 
 
 def hardware_preset(name: str) -> Hardware:
@@ -216,6 +243,10 @@ def main(argv: list[str] | None = None) -> None:
                         "bf16 base (q/k/v/o projections): what trains and what only streams")  # fmt: skip
     parser.add_argument("--state-precision", choices=quant8.PRECISIONS, default=quant8.FP32,
                         help="offload.state_precision of the host update's systems (b), (c)")
+    parser.add_argument("--min-8bit-size", type=int, default=OffloadConfig.min_8bit_size,
+                        help="offload.min_8bit_size: smaller tensors keep fp32 state")
+    parser.add_argument("--fp32-embedding-state", action=argparse.BooleanOptionalAction,
+                        default=OffloadConfig.fp32_embedding_state, help="offload.fp32_embedding_state")
     args = parser.parse_args(argv)
     model = recipe_model(args.recipe, args.seq)
     if model.get("kind") == "hf":
@@ -225,11 +256,13 @@ def main(argv: list[str] | None = None) -> None:
         if args.lora_rank:
             lora = {"r": args.lora_rank, "alpha": 2 * args.lora_rank, "dropout": 0.0,
                     "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}  # fmt: skip
-        job, layers = hf_job(model, args.seq, args.micro_batch, args.micro_batches, lora)
+        job, layers, built = hf_job(model, args.seq, args.micro_batch, args.micro_batches, lora)
     else:
         layers = model["n_layer"] = args.layers or model["n_layer"]
         job = job_of(model, args.seq, args.micro_batch, args.micro_batches)
-    job = dataclasses.replace(job, state_bytes=4 + 2 * quant8.bytes_per_element(args.state_precision))
+        built = gpt_on_meta(model)
+    share = fp32_share(built, args.min_8bit_size, args.fp32_embedding_state)
+    job = dataclasses.replace(job, state_bytes=state_bytes(args.state_precision, share))
     if not (args.measure or args.hardware):
         parser.error("give --hardware NAME (recipes/hardware/) or --measure")
     hw = measure(Path(args.nvme_path), args.devices) if args.measure else hardware_preset(args.hardware)
@@ -242,6 +275,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.recipe}: {job.model_params / 1e9:.2f} B parameters{frozen}, {job.tokens:,.0f} tokens per iteration "
           f"in {job.micro_batches} micro-batches, on {hw.name}:")  # fmt: skip
     print("  " + ", ".join(f"{k}={v}" for k, v in hw.__dict__.items() if k != "name"))
+    if args.state_precision != quant8.FP32:
+        print(f"  {args.state_precision} state: {job.state_bytes:.2f} B/param of master and optimizer state in (b), "
+              f"(c); {share:.1%} of the parameters keep fp32 state (--min-8bit-size, --fp32-embedding-state)")
     systems = [s for s in MODELED if hw.devices > 0 and hw.device_update > 0 or s in ("a", "b", "c")]
     predictions = [predict(s, job, hw) for s in systems]
     print(describe(predictions, job))
@@ -254,6 +290,10 @@ def main(argv: list[str] | None = None) -> None:
     settings = settings_for(best.system, hw, args.seq, args.micro_batch, args.micro_batches)
     if args.state_precision != quant8.FP32 and best.system in ("b", "c"):
         settings += f" offload.state_precision={args.state_precision}"
+        if args.min_8bit_size != OffloadConfig.min_8bit_size:
+            settings += f" offload.min_8bit_size={args.min_8bit_size}"
+        if args.fp32_embedding_state != OffloadConfig.fp32_embedding_state:
+            settings += f" offload.fp32_embedding_state={str(args.fp32_embedding_state).lower()}"
     adapters = f" model.path=DIR peft=lora peft.r={args.lora_rank}" if args.lora_rank else ""
     print(f"  settings: smartinf-train recipe={args.recipe}{adapters} {settings}")
     print("memory and disk needed per tier:")

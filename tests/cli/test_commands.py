@@ -82,3 +82,20 @@ def test_plan_of_an_architecture_recipe_with_lora_streams_the_frozen_base(capsys
     assert "llama3_70b: 70.55 B parameters" in full and "step_io" in full
     assert "65.5 M trainable adapters over a frozen base of 70.55 B" in lora and "peft=lora peft.r=16" in lora
     assert "| (c) + vertical + overlap |" in lora and "params_io" in lora
+
+
+def test_plan_with_8bit_state_counts_the_parameters_that_keep_fp32_state(capsys) -> None:
+    """gpt_350m: the embeddings ((50,304 + 1,024) x 1,024) and each layer's tensors under 4,096 elements (norms,
+    the attention's and the MLP projection's biases: 9 x 1,024) keep fp32 state, as the run's layout stores them."""
+    from lightning_smartinf.cli.plan import main as plan_main
+
+    plan_main(["--recipe", "gpt_350m", "--hardware", "greedysnake_a100", "--state-precision", "8bit"])
+    out = capsys.readouterr().out
+    fp32 = (50_304 + 1_024) * 1_024 + 24 * 9 * 1_024 + 2 * 1_024
+    share = fp32 / (24 * (12 * 1_024**2 + 13 * 1_024) + (50_304 + 1_024) * 1_024 + 2 * 1_024)
+    per_param = 4 + 2 * (share * 4 + (1 - share) * (1 + 4 / 2048))
+    assert f"8bit state: {per_param:.2f} B/param" in out and f"{share:.1%} of the parameters keep fp32" in out
+    plan_main(["--recipe", "gpt_350m", "--hardware", "greedysnake_a100", "--state-precision", "8bit",
+               "--min-8bit-size", "0", "--no-fp32-embedding-state"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "8bit state: 6.00 B/param" in out and "offload.min_8bit_size=0 offload.fp32_embedding_state=false" in out
