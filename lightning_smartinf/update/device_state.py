@@ -37,7 +37,7 @@ class DeviceQuantizer:
                 cl.Buffer(context, flags, hostbuf=direct.numpy()),
                 cl.Buffer(context, flags, hostbuf=below.numpy()),
                 offset,
-                direct.numel(),
+                below.numel(),
             )
 
     def wide_buffers(self, kinds: tuple[str, ...], max_numel: int) -> dict[str, Any]:

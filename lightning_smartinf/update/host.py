@@ -87,7 +87,9 @@ class HostUpdater:
         """The optimizer state's buffers (None: a rule without state)."""
         kernel = "deepspeed cpu_adam" if adam_kernel and rule.name in ("adam", "adamw") else f"torch {rule.name}"
         if precision == quant8.INT8:
-            kernel = f"{rule.name} fused with 8-bit state" if quant8.kernel() else f"torch {rule.name}, 8-bit state"
+            compiled = quant8.kernel()
+            kernel = (f"{rule.name} fused with 8-bit state, {compiled.isa()} gathers" if compiled
+                      else f"torch {rule.name}, 8-bit state")  # fmt: skip
         self.name = f"host ({kernel})"
 
     @staticmethod

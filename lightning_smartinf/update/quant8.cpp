@@ -13,7 +13,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -27,9 +32,62 @@ constexpr int64_t kBlock = 2048;
 #define WIDE
 #endif
 
-WIDE void widen_block(const uint8_t* codes, const float* table, float scale, int64_t len, float* out) {
+void widen_scalar(const uint8_t* codes, const float* table, float scale, int64_t len, float* out) {
     for (int64_t i = 0; i < len; ++i) out[i] = table[codes[i]] * scale;
 }
+
+// The same with vector gathers from the 256-entry map (the compiler does not emit gathers for the loop above).
+#if defined(__x86_64__) && defined(__GNUC__)
+#define SIMD_GATHER 1
+__attribute__((target("avx512f"))) void widen_avx512(const uint8_t* codes, const float* table, float scale,
+                                                     int64_t len, float* out) {
+    const __m512 factor = _mm512_set1_ps(scale);
+    int64_t i = 0;
+    for (; i + 16 <= len; i += 16) {
+        const __m512i index = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_i32gather_ps(index, table, 4), factor));
+    }
+    widen_scalar(codes + i, table, scale, len - i, out + i);
+}
+
+__attribute__((target("avx2"))) void widen_avx2(const uint8_t* codes, const float* table, float scale, int64_t len,
+                                                float* out) {
+    const __m256 factor = _mm256_set1_ps(scale);
+    int64_t i = 0;
+    for (; i + 8 <= len; i += 8) {
+        const __m256i index = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_i32gather_ps(table, index, 4), factor));
+    }
+    widen_scalar(codes + i, table, scale, len - i, out + i);
+}
+#endif
+
+// The widest gathers the CPU runs, picked once: "avx512", "avx2" or "baseline". The environment variable
+// LIGHTNING_SMARTINF_QUANT8_ISA caps it (to test and compare the paths; the results are the same byte for byte).
+const char* pick_isa() {
+    const char* cap = std::getenv("LIGHTNING_SMARTINF_QUANT8_ISA");
+    const std::string most = cap == nullptr || *cap == '\0' ? "avx512" : cap;  // update/quant8.py checks it
+#ifdef SIMD_GATHER
+    __builtin_cpu_init();
+    if (most == "avx512" && __builtin_cpu_supports("avx512f")) return "avx512";
+    if ((most == "avx512" || most == "avx2") && __builtin_cpu_supports("avx2")) return "avx2";
+#endif
+    return "baseline";
+}
+
+const std::string isa = pick_isa();
+
+using Widen = void (*)(const uint8_t*, const float*, float, int64_t, float*);
+
+Widen pick_widen() {
+#ifdef SIMD_GATHER
+    if (isa == "avx512") return widen_avx512;
+    if (isa == "avx2") return widen_avx2;
+#endif
+    return widen_scalar;
+}
+
+const Widen widen_block = pick_widen();
 
 // y[i] = values[i] / divisor, clamped to [lowest, 1] (the codes come from y)
 WIDE void scaled(const float* values, int64_t len, float divisor, float lowest, float* y) {
@@ -39,17 +97,84 @@ WIDE void scaled(const float* values, int64_t len, float divisor, float lowest, 
     }
 }
 
-// known[i] = direct[bucket of y[i]]: the code of y[i], or -1 where the bucket needs the comparison
-WIDE void lookup(const float* y, int64_t len, const int16_t* direct, int32_t offset, int32_t shift, int32_t buckets,
-                 int16_t* known) {
-    for (int64_t i = 0; i < len; ++i) {
-        int32_t bits;
-        std::memcpy(&bits, &y[i], sizeof(bits));
-        int32_t bucket = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)) >> shift) + offset;
-        bucket = std::min(std::max(bucket, 0), buckets - 1);
-        known[i] = direct[bucket];
-    }
+// The codes of y[0, len) from the bucket table: codes[i] = direct[bucket of y[i]], and where that is -1 (the bucket
+// needs the comparison) the bit i of the returned mask set, for the caller to decide. Blocks of at most 64 elements.
+inline int32_t bucket_of(float y, int32_t offset, int32_t shift, int32_t buckets) {
+    int32_t bits;
+    std::memcpy(&bits, &y, sizeof(bits));
+    const int32_t bucket = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)) >> shift) + offset;
+    return std::min(std::max(bucket, 0), buckets - 1);
 }
+
+uint64_t lookup_scalar(const float* y, int64_t len, const int16_t* direct, int32_t offset, int32_t shift,
+                       int32_t buckets, uint8_t* codes) {
+    uint64_t pending = 0;
+    for (int64_t i = 0; i < len; ++i) {
+        const int16_t known = direct[bucket_of(y[i], offset, shift, buckets)];
+        codes[i] = uint8_t(known);
+        if (known < 0) pending |= uint64_t{1} << i;
+    }
+    return pending;
+}
+
+// The same with vector gathers: the table is padded by one entry, so the 32 bits read at any bucket stay inside it
+// (buckets() in update/quant8.py); the entry is their low 16 bits (x86 is little-endian).
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx512f"))) uint64_t lookup_avx512(const float* y, int64_t len, const int16_t* direct,
+                                                          int32_t offset, int32_t shift, int32_t buckets,
+                                                          uint8_t* codes) {
+    const __m512i low31 = _mm512_set1_epi32(0x7FFFFFFF), first = _mm512_set1_epi32(offset);
+    const __m512i last = _mm512_set1_epi32(buckets - 1), zero = _mm512_setzero_si512();
+    const __m128i count = _mm_cvtsi32_si128(shift);
+    uint64_t pending = 0;
+    int64_t i = 0;
+    for (; i + 16 <= len; i += 16) {
+        const __m512i bits = _mm512_loadu_si512(y + i);
+        const __m512i order = _mm512_xor_si512(bits, _mm512_and_si512(_mm512_srai_epi32(bits, 31), low31));
+        __m512i bucket = _mm512_add_epi32(_mm512_sra_epi32(order, count), first);
+        bucket = _mm512_min_epi32(_mm512_max_epi32(bucket, zero), last);
+        const __m512i word = _mm512_i32gather_epi32(bucket, static_cast<const void*>(direct), 2);
+        const __m512i known = _mm512_srai_epi32(_mm512_slli_epi32(word, 16), 16);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(known));
+        pending |= uint64_t(_mm512_cmplt_epi32_mask(known, zero)) << i;
+    }
+    return pending | (lookup_scalar(y + i, len - i, direct, offset, shift, buckets, codes + i) << i);
+}
+
+__attribute__((target("avx2"))) uint64_t lookup_avx2(const float* y, int64_t len, const int16_t* direct,
+                                                      int32_t offset, int32_t shift, int32_t buckets, uint8_t* codes) {
+    const __m256i low31 = _mm256_set1_epi32(0x7FFFFFFF), first = _mm256_set1_epi32(offset);
+    const __m256i last = _mm256_set1_epi32(buckets - 1), zero = _mm256_setzero_si256();
+    const __m128i count = _mm_cvtsi32_si128(shift);
+    const int* table = reinterpret_cast<const int*>(direct);
+    uint64_t pending = 0;
+    int64_t i = 0;
+    for (; i + 8 <= len; i += 8) {
+        const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + i));
+        const __m256i order = _mm256_xor_si256(bits, _mm256_and_si256(_mm256_srai_epi32(bits, 31), low31));
+        __m256i bucket = _mm256_add_epi32(_mm256_sra_epi32(order, count), first);
+        bucket = _mm256_min_epi32(_mm256_max_epi32(bucket, zero), last);
+        const __m256i word = _mm256_i32gather_epi32(table, bucket, 2);
+        const __m256i known = _mm256_srai_epi32(_mm256_slli_epi32(word, 16), 16);
+        const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(known), _mm256_extracti128_si256(known, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packus_epi16(words, words));
+        pending |= uint64_t(_mm256_movemask_ps(_mm256_castsi256_ps(known))) << i;
+    }
+    return pending | (lookup_scalar(y + i, len - i, direct, offset, shift, buckets, codes + i) << i);
+}
+#endif
+
+using Lookup = uint64_t (*)(const float*, int64_t, const int16_t*, int32_t, int32_t, int32_t, uint8_t*);
+
+Lookup pick_lookup() {
+#ifdef SIMD_GATHER
+    if (isa == "avx512") return lookup_avx512;
+    if (isa == "avx2") return lookup_avx2;
+#endif
+    return lookup_scalar;
+}
+
+const Lookup lookup = pick_lookup();
 
 // the largest magnitude, NaN ignored (as fmax does on the device), in 16 lanes the compiler keeps in registers
 WIDE float largest(const float* values, int64_t len) {
@@ -104,15 +229,17 @@ struct Map {
     float quantize(const float* values, int64_t len, uint8_t* codes) const {
         const float absmax = largest(values, len);
         float y[kBlock];
-        int16_t known[kBlock];
         scaled(values, len, absmax > 0.0f ? absmax : 1.0f, lowest, y);
-        lookup(y, len, direct, int32_t(offset), int32_t(shift), int32_t(buckets), known);
-        for (int64_t i = 0; i < len; ++i) codes[i] = known[i] >= 0 ? uint8_t(known[i]) : compare(y[i]);
+        for (int64_t start = 0; start < len; start += 64) {
+            const int64_t part = std::min(len - start, int64_t{64});
+            uint64_t pending = lookup(y + start, part, direct, int32_t(offset), int32_t(shift), int32_t(buckets),
+                                      codes + start);
+            for (; pending != 0; pending &= pending - 1) {
+                const int64_t i = start + __builtin_ctzll(pending);
+                codes[i] = compare(y[i]);
+            }
+        }
         return absmax;
-    }
-
-    void widen(const uint8_t* codes, float scale, int64_t len, float* out) const {
-        for (int64_t i = 0; i < len; ++i) out[i] = table[codes[i]] * scale;
     }
 };
 
@@ -168,7 +295,8 @@ struct AdamScalars {
     bool decoupled;
 };
 
-WIDE void adam_math(float* p, const float* grad, float* m, float* v, int64_t len, const AdamScalars& c) {
+WIDE void adam_math(float* p, const float* grad, float* m, float* v, int64_t len, const AdamScalars& scalars) {
+    const AdamScalars c = scalars;  // a copy the stores below cannot alias, so the loop vectorizes
     for (int64_t i = 0; i < len; ++i) {
         float g = grad[i];
         if (c.decoupled) {
@@ -188,7 +316,8 @@ struct SgdScalars {
     bool nesterov, first_step;
 };
 
-WIDE void sgd_math(float* p, const float* grad, float* buf, int64_t len, const SgdScalars& c) {
+WIDE void sgd_math(float* p, const float* grad, float* buf, int64_t len, const SgdScalars& scalars) {
+    const SgdScalars c = scalars;
     for (int64_t i = 0; i < len; ++i) {
         float d_p = grad[i];
         if (c.weight_decay != 0.0f) d_p = d_p + c.weight_decay * p[i];
@@ -204,7 +333,8 @@ struct AdagradScalars {
     float clr, weight_decay, eps;
 };
 
-WIDE void adagrad_math(float* p, const float* grad, float* sum, int64_t len, const AdagradScalars& c) {
+WIDE void adagrad_math(float* p, const float* grad, float* sum, int64_t len, const AdagradScalars& scalars) {
+    const AdagradScalars c = scalars;
     for (int64_t i = 0; i < len; ++i) {
         float g = grad[i];
         if (c.weight_decay != 0.0f) g = g + c.weight_decay * p[i];
@@ -288,4 +418,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("adam8", &adam8, "Adam/AdamW on a subgroup whose moments are 8-bit, fused");
     m.def("sgd8", &sgd8, "SGD with momentum on a subgroup whose buffer is 8-bit, fused");
     m.def("adagrad8", &adagrad8, "Adagrad on a subgroup whose sum is 8-bit, fused");
+    m.def("isa", [] { return isa; }, "the gathers' instruction set: avx512, avx2 or baseline");
 }

@@ -20,6 +20,7 @@ values (fp32). ``BLOCK`` divides the 2048-element subgroup alignment, so blocks 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from lightning_smartinf.core import Subgroup
+from lightning_smartinf.errors import ConfigError
 from lightning_smartinf.ops import clear_stale_lock, extension_build_directory
 from lightning_smartinf.update.arguments import kernel_scalars
 from lightning_smartinf.update.optimizers import OptimizerRule
@@ -110,18 +112,30 @@ def _split_cleared(raw: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.T
 KERNEL = "smartinf_quant8"
 
 
+ISA_VARIABLE = "LIGHTNING_SMARTINF_QUANT8_ISA"
+"""Caps the instruction set of the kernel's table gathers (to test and compare the paths; the bytes are the same)."""
+ISAS = ("avx512", "avx2", "baseline")
+
+
 @cache
 def kernel() -> Any:
     """The compiled kernel (built on first use into this environment's op cache), or None where it cannot be."""
     from torch.utils.cpp_extension import load
+
+    cap = os.environ.get(ISA_VARIABLE, "")
+    if cap and cap not in ISAS:
+        raise ConfigError(f"{ISA_VARIABLE}={cap!r} is not one of {', '.join(ISAS)}; unset it for the widest the "
+                          "CPU runs")  # fmt: skip
 
     directory = extension_build_directory(KERNEL)
     clear_stale_lock(KERNEL, directory)
     if not any(directory.glob(f"{KERNEL}*.so")):
         log.info("compiling the 8-bit state kernel in %s (first use only; about a minute)", directory)
     try:
-        return load(KERNEL, [str(Path(__file__).with_name("quant8.cpp"))], verbose=False,
-                    extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"])  # fmt: skip
+        # no errno from sqrt, so its loops vectorize; no contraction into FMAs, so the host and the devices agree
+        flags = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
+        return load(KERNEL, [str(Path(__file__).with_name("quant8.cpp"))], verbose=False, extra_cflags=flags,
+                    extra_ldflags=["-fopenmp"])  # fmt: skip
     except (OSError, RuntimeError, ImportError) as err:  # no compiler, or it failed
         log.warning("the 8-bit state kernel did not build (%s): quantizing with torch ops instead, much slower", err)
         return None
@@ -163,7 +177,8 @@ def buckets(signed: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Per bucket of [-1, 1] (or [0, 1]) in the sortable order: the code of every value in it, or -1 where the
     codes of its first and last values differ (the nearest map value changes inside it; ``code`` is monotone in the
     value, so that is the only way); the index of the largest map value at or below its first value (0 where none
-    is); and the offset that makes the first bucket's number 0."""
+    is); and the offset that makes the first bucket's number 0. ``direct`` ends with one more -1, past the last
+    bucket, so that the kernel's vector gathers, which read 32 bits at a bucket, stay inside it."""
     table = dynamic_map(signed)
     top = int(_sortable(torch.tensor([1.0]).view(torch.int32))) >> BUCKET_SHIFT
     bottom = int(_sortable(torch.tensor([-1.0 if signed else 0.0]).view(torch.int32))) >> BUCKET_SHIFT
@@ -175,7 +190,8 @@ def buckets(signed: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
     codes = _nearest(first, table)
     direct = torch.where(codes == _nearest(last, table), codes, torch.full_like(codes, -1))
     below = (torch.searchsorted(table, first, right=True) - 1).clamp_(0, 255)
-    return direct.to(torch.int16), below.to(torch.int16), -bottom
+    padded = torch.cat([direct, torch.full((1,), -1, dtype=direct.dtype)])
+    return padded.to(torch.int16), below.to(torch.int16), -bottom
 
 
 def quantize(values: torch.Tensor, signed: bool, raw: torch.Tensor) -> None:

@@ -5,6 +5,9 @@ state; the host update with 8-bit state on disk and in RAM equals it over 20 ste
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -115,6 +118,27 @@ def test_quantize_picks_the_nearest_value_per_block(signed: bool, compiled: bool
     quant8.dequantize(raw, numel, signed, out)
     assert torch.equal(out, reference_dequantize(want_codes, want_scales, signed))
     assert quant8.payload(numel, quant8.INT8) == 4 * math.ceil(numel / 4) + 4 * 4  # codes, then 4 absmax
+
+
+def test_every_gather_path_this_cpu_runs_writes_the_same_bytes() -> None:
+    """The kernel's table gathers take the widest instruction set the CPU runs (update/quant8.cpp); each narrower
+    one, capped by LIGHTNING_SMARTINF_QUANT8_ISA, passes the reference checks here too, so machines agree."""
+    native = quant8.kernel().isa()
+    checks = "nearest_value_per_block and kernel or fused_host_update_equals or device_kernels_quantize_as_the_host"
+    for isa in quant8.ISAS[quant8.ISAS.index(native) + 1 :]:
+        env = {**os.environ, quant8.ISA_VARIABLE: isa}
+        picked = subprocess.run([sys.executable, "-c", "from lightning_smartinf.update import quant8; "
+                                 "print(quant8.kernel().isa())"], env=env, capture_output=True, text=True)  # fmt: skip
+        assert picked.stdout.strip() == isa, picked.stderr[-2000:]
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", checks],
+                              env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert done.returncode == 0 and " passed" in done.stdout, (isa, done.stdout[-3000:])
+
+
+def test_an_unknown_instruction_set_cap_is_refused_naming_the_choices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(quant8.ISA_VARIABLE, "sse9")
+    with pytest.raises(ConfigError, match="LIGHTNING_SMARTINF_QUANT8_ISA='sse9' is not one of avx512, avx2, baseline"):
+        quant8.kernel.__wrapped__()
 
 
 class Gradients:
