@@ -1,8 +1,10 @@
-"""``smartinf-kernel-bench``: Adam update throughput, OpenCL kernel (one device) vs DeepSpeed's CPU Adam op.
+"""``smartinf-kernel-bench``: Adam update throughput, OpenCL kernel (one device) vs DeepSpeed's CPU Adam op, and
+the host's fused update with 8-bit state (``offload.state_precision=8bit``, update/quant8.py).
 
-Both update the same number of fp32 parameters in memory (no storage I/O), on the same cores, interleaved, and the
-median of the repetitions is reported as parameters/s and GB/s (32 B touched per parameter: param, grad, m, v
-read; param, m, v and the parameter copy written).
+All update the same number of fp32 parameters in memory (no storage I/O), on the same cores, interleaved, and the
+median of the repetitions is reported as parameters/s and GB/s (32 B touched per parameter with fp32 state: param,
+grad, m, v read; param, m, v and the parameter copy written; 16 B with 8-bit state: param, grad and one byte each
+of m and v read, param, m and v written).
 
     smartinf-kernel-bench --params 16777216 --reps 7
 """
@@ -21,6 +23,7 @@ import torch
 from lightning_smartinf.extras import require
 
 BYTES_PER_PARAM = 32
+BYTES_PER_PARAM_8BIT = 16
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
 
@@ -68,6 +71,26 @@ def deepspeed_adam(n: int) -> Callable[[int], None]:
     return run
 
 
+def host_adam_8bit(n: int) -> tuple[str, Callable[[int], None]]:
+    """The host update with 8-bit state, fused (quant8.fused_step), and the instruction set of its gathers."""
+    from lightning_smartinf.update import quant8
+    from lightning_smartinf.update.optimizers import OptimizerRule, StateSpec
+
+    compiled = quant8.kernel()
+    if compiled is None:
+        raise SystemExit("the 8-bit state kernel did not build (a C++ compiler is needed): see the warning above")
+    master, grad, exp_avg, exp_avg_sq = (torch.from_numpy(a.copy()) for a in adam_state(n))
+    raw = {kind: torch.empty(quant8.payload(n, quant8.INT8), dtype=torch.uint8) for kind in ("exp_avg", "exp_avg_sq")}
+    quant8.quantize(exp_avg, True, raw["exp_avg"])
+    quant8.quantize(exp_avg_sq, False, raw["exp_avg_sq"])
+    rule = OptimizerRule("adamw", (StateSpec("exp_avg", 0.0), StateSpec("exp_avg_sq", 0.0)))
+
+    def run(step: int) -> None:
+        quant8.fused_step(rule, master, grad, raw, HYPER, max(step, 2), {})
+
+    return f"host_adam_8bit ({compiled.isa()})", run
+
+
 def measure(fns: dict[str, Callable[[int], None]], reps: int, rounds: int = 3) -> dict[str, list[float]]:
     """Alternating blocks of ``reps`` calls per kernel, ``rounds`` times: machine noise hits both, while one
     kernel's threads (OpenMP spins after a parallel region) do not steal cores from the other's next call."""
@@ -94,26 +117,32 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     torch.manual_seed(0)
+    eight_bit, fused = host_adam_8bit(args.params)
     fns = {
         "opencl_adam (PoCL)": opencl_adam(args.params, args.platform),
         "deepspeed_cpu_adam": deepspeed_adam(args.params),
+        eight_bit: fused,
     }
     times = measure(fns, args.reps)
     rows = {}
     print(f"Adam update of {args.params:,} fp32 parameters, median of 3 x {args.reps} calls, "
           f"threads={torch.get_num_threads()}")  # fmt: skip
-    print(f"{'kernel':24s} {'ms':>9s} {'Mparams/s':>10s} {'GB/s':>7s}")
+    print(f"{'kernel':28s} {'ms':>9s} {'Mparams/s':>10s} {'GB/s':>7s}")
     for name, samples in times.items():
         median = statistics.median(samples)
         rate = args.params / median
-        rows[name] = {"ms": median * 1e3, "params_per_s": rate, "GBps": rate * BYTES_PER_PARAM / 1e9}
-        print(f"{name:24s} {median * 1e3:9.2f} {rate / 1e6:10.1f} {rate * BYTES_PER_PARAM / 1e9:7.2f}")
+        touched = BYTES_PER_PARAM_8BIT if name == eight_bit else BYTES_PER_PARAM
+        rows[name] = {"ms": median * 1e3, "params_per_s": rate, "GBps": rate * touched / 1e9}
+        print(f"{name:28s} {median * 1e3:9.2f} {rate / 1e6:10.1f} {rate * touched / 1e9:7.2f}")
     names = list(rows)
     ratio = rows[names[0]]["params_per_s"] / rows[names[1]]["params_per_s"]
+    ratio_8bit = rows[eight_bit]["params_per_s"] / rows[names[1]]["params_per_s"]
     print(f"OpenCL / DeepSpeed throughput: {ratio:.2f}x")
+    print(f"host with 8-bit state / DeepSpeed (fp32 state) throughput: {ratio_8bit:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"params": args.params, "reps": args.reps, "results": rows, "ratio": ratio}, f, indent=2)
+            json.dump({"params": args.params, "reps": args.reps, "results": rows, "ratio": ratio,
+                       "ratio_8bit": ratio_8bit}, f, indent=2)  # fmt: skip
 
 
 if __name__ == "__main__":

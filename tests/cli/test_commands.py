@@ -26,6 +26,7 @@ def test_kernel_bench_small(tmp_path: Path) -> None:
     out = run_module("lightning_smartinf.cli.kernel_bench", "--params", "100000", "--reps", "1",
                      "--json", str(tmp_path / "k.json"), cwd=tmp_path)  # fmt: skip
     assert "OpenCL / DeepSpeed throughput" in out and (tmp_path / "k.json").is_file()
+    assert "host_adam_8bit (" in out and "host with 8-bit state / DeepSpeed (fp32 state) throughput" in out
 
 
 def test_train_with_smart_update(tmp_path: Path) -> None:
