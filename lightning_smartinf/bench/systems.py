@@ -7,6 +7,7 @@
 (b) smart_infinity, horizontal schedule, host update: the same data flow as (a), our engine (gradients in host
     memory like DeepSpeed's; params and optimizer state on disk).
 (c) + vertical schedule, optimizer-step overlap and kept activations (no recompute) (GreedySnake).
+(v) (c) with its optimizer state stored in 8 bits: the step's disk bytes and CPU time in the overlapped schedule.
 (d) + SmartUpdate on k near-storage devices (Smart-Infinity).
 (e) + SmartComp, top-k 1% with error feedback.
 """
@@ -16,13 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SYSTEMS = ("a", "s", "q", "b", "c", "d", "e")
+SYSTEMS = ("a", "s", "q", "b", "c", "v", "d", "e")
 NAMES = {
     "a": "DeepSpeed ZeRO-Infinity",
     "s": "smart_infinity, defaults",
     "q": "smart_infinity, defaults, 8-bit state",
     "b": "smart_infinity horizontal",
     "c": "+ vertical + overlap",
+    "v": "+ vertical + overlap, 8-bit state",
     "d": "+ SmartUpdate",
     "e": "+ SmartComp",
 }
@@ -114,7 +116,9 @@ def strategy_settings(system: str, w: Workload, nvme_path: str) -> dict[str, Any
         "update": {"backend": "host"},
         "schedule": {"kind": "horizontal"},
     }
-    if system in ("c", "d", "e"):
+    if system == "v":
+        settings["offload"]["state_precision"] = "8bit"
+    if system in ("c", "v", "d", "e"):
         settings["schedule"] = {"kind": "vertical", "micro_batches": w.micro_batches, "overlap": 1.0,
                                 "keep_activations": w.keep_activations}
     if system in ("d", "e"):

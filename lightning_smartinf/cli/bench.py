@@ -153,7 +153,7 @@ def plot(results: dict[str, dict[str, Any]], w: Workload, path: Path, compute: f
     tokens = [w.tokens_per_step / results[s]["seconds_per_step"] for s in systems]
     plt = extras.pyplot("smartinf-bench's plot")
     fig, ax = plt.subplots(figsize=(8, 4))
-    colors = ["#888", "#dd8452", "#4c72b0", "#55a868", "#c44e52", "#8172b2"]
+    colors = ["#888", "#dd8452", "#4c72b0", "#55a868", "#c44e52", "#8172b2", "#937860", "#da8bc3"]
     bars = ax.bar([f"({s}) {NAMES[s]}" for s in systems], tokens, color=colors[: len(systems)])
     base = tokens[0] if systems[0] == "a" else None
     for bar, value in zip(bars, tokens, strict=True):
