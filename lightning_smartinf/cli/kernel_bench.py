@@ -21,10 +21,13 @@ import numpy as np
 import torch
 
 from lightning_smartinf.extras import require
+from lightning_smartinf.update.optimizers import OptimizerRule, StateSpec
 
 BYTES_PER_PARAM = 32
 BYTES_PER_PARAM_8BIT = 16
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+ADAMW = OptimizerRule("adamw", (StateSpec("exp_avg", 0.0), StateSpec("exp_avg_sq", 0.0)))
+"""torch's AdamW as the OpenCL kernel and the fused 8-bit update take it."""
 
 
 def adam_state(n: int) -> list[np.ndarray]:
@@ -42,7 +45,6 @@ def opencl_adam(n: int, platform: str) -> Callable[[int], None]:
 
     from lightning_smartinf.update.arguments import kernel_scalars
     from lightning_smartinf.update.opencl import DeviceSpec, launch_shape, open_device
-    from lightning_smartinf.update.optimizers import OptimizerRule, StateSpec
 
     _, ctx, program = open_device(DeviceSpec(platform=platform), torch.float32, torch.float32)
     queue = cl.CommandQueue(ctx)
@@ -50,10 +52,9 @@ def opencl_adam(n: int, platform: str) -> Callable[[int], None]:
     flags = cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR
     master, grad, exp_avg, exp_avg_sq = adam_state(n)
     buffers = [cl.Buffer(ctx, flags, hostbuf=a) for a in (master, exp_avg, exp_avg_sq, grad, master)]
-    rule = OptimizerRule("adamw", (StateSpec("exp_avg", 0.0), StateSpec("exp_avg_sq", 0.0)))
 
     def run(step: int) -> None:
-        args = [np.uint32(n), np.float32(1.0), np.float32(1.0), *kernel_scalars(rule, HYPER, step)]
+        args = [np.uint32(n), np.float32(1.0), np.float32(1.0), *kernel_scalars(ADAMW, HYPER, step)]
         kernel(queue, *launch_shape(n), *buffers, *args).wait()
 
     return run
@@ -74,7 +75,6 @@ def deepspeed_adam(n: int) -> Callable[[int], None]:
 def host_adam_8bit(n: int) -> tuple[str, Callable[[int], None]]:
     """The host update with 8-bit state, fused (quant8.fused_step), and the instruction set of its gathers."""
     from lightning_smartinf.update import quant8
-    from lightning_smartinf.update.optimizers import OptimizerRule, StateSpec
 
     compiled = quant8.kernel()
     if compiled is None:
@@ -83,10 +83,9 @@ def host_adam_8bit(n: int) -> tuple[str, Callable[[int], None]]:
     raw = {kind: torch.empty(quant8.payload(n, quant8.INT8), dtype=torch.uint8) for kind in ("exp_avg", "exp_avg_sq")}
     quant8.quantize(exp_avg, True, raw["exp_avg"])
     quant8.quantize(exp_avg_sq, False, raw["exp_avg_sq"])
-    rule = OptimizerRule("adamw", (StateSpec("exp_avg", 0.0), StateSpec("exp_avg_sq", 0.0)))
 
     def run(step: int) -> None:
-        quant8.fused_step(rule, master, grad, raw, HYPER, max(step, 2), {})
+        quant8.fused_step(ADAMW, master, grad, raw, HYPER, max(step, 2), {})
 
     return f"host_adam_8bit ({compiled.isa()})", run
 

@@ -77,17 +77,19 @@ const char* pick_isa() {
 
 const std::string isa = pick_isa();
 
-using Widen = void (*)(const uint8_t*, const float*, float, int64_t, float*);
-
-Widen pick_widen() {
-#ifdef SIMD_GATHER
-    if (isa == "avx512") return widen_avx512;
-    if (isa == "avx2") return widen_avx2;
-#endif
-    return widen_scalar;
+// GATHERS(name): the build of name_avx512, name_avx2 and name_scalar for the instruction set picked
+template <typename F>
+F by_isa(F avx512, F avx2, F baseline) {
+    return isa == "avx512" ? avx512 : isa == "avx2" ? avx2 : baseline;
 }
 
-const Widen widen_block = pick_widen();
+#ifdef SIMD_GATHER
+#define GATHERS(name) by_isa(name##_avx512, name##_avx2, name##_scalar)
+#else
+#define GATHERS(name) name##_scalar
+#endif
+
+const auto widen_block = GATHERS(widen);
 
 // y[i] = values[i] / divisor, clamped to [lowest, 1] (the codes come from y)
 WIDE void scaled(const float* values, int64_t len, float divisor, float lowest, float* y) {
@@ -99,11 +101,14 @@ WIDE void scaled(const float* values, int64_t len, float divisor, float lowest, 
 
 // The codes of y[0, len) from the bucket table: codes[i] = direct[bucket of y[i]], and where that is -1 (the bucket
 // needs the comparison) the bit i of the returned mask set, for the caller to decide. Blocks of at most 64 elements.
-inline int32_t bucket_of(float y, int32_t offset, int32_t shift, int32_t buckets) {
+inline int32_t sortable(float value) {
     int32_t bits;
-    std::memcpy(&bits, &y, sizeof(bits));
-    const int32_t bucket = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)) >> shift) + offset;
-    return std::min(std::max(bucket, 0), buckets - 1);
+    std::memcpy(&bits, &value, sizeof(bits));
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF);
+}
+
+inline int32_t bucket_of(float y, int32_t offset, int32_t shift, int32_t buckets) {
+    return std::min(std::max((sortable(y) >> shift) + offset, 0), buckets - 1);
 }
 
 uint64_t lookup_scalar(const float* y, int64_t len, const int16_t* direct, int32_t offset, int32_t shift,
@@ -164,17 +169,7 @@ __attribute__((target("avx2"))) uint64_t lookup_avx2(const float* y, int64_t len
 }
 #endif
 
-using Lookup = uint64_t (*)(const float*, int64_t, const int16_t*, int32_t, int32_t, int32_t, uint8_t*);
-
-Lookup pick_lookup() {
-#ifdef SIMD_GATHER
-    if (isa == "avx512") return lookup_avx512;
-    if (isa == "avx2") return lookup_avx2;
-#endif
-    return lookup_scalar;
-}
-
-const Lookup lookup = pick_lookup();
+const auto lookup = GATHERS(lookup);
 
 // the largest magnitude, NaN ignored (as fmax does on the device), in 16 lanes the compiler keeps in registers
 WIDE float largest(const float* values, int64_t len) {
@@ -190,12 +185,6 @@ WIDE float largest(const float* values, int64_t len) {
     for (int j = 0; j < 16; ++j) absmax = absmax < lanes[j] ? lanes[j] : absmax;
     for (; i < len; ++i) absmax = std::max(absmax, std::fabs(values[i]));
     return absmax;
-}
-
-inline int32_t sortable(float value) {
-    int32_t bits;
-    std::memcpy(&bits, &value, sizeof(bits));
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF);
 }
 
 // One map with its bucket tables: direct[bucket] is the code of every value in the bucket, or -1 where the nearest
@@ -217,9 +206,7 @@ struct Map {
 
     // y in [lowest, 1], in a bucket whose code the comparison decides
     uint8_t compare(float y) const {
-        int64_t bucket = static_cast<int64_t>(sortable(y) >> shift) + offset;
-        bucket = std::min(std::max(bucket, int64_t{0}), buckets - 1);
-        int64_t lo = below[bucket];
+        int64_t lo = below[bucket_of(y, int32_t(offset), int32_t(shift), int32_t(buckets))];
         if (lo < 255 && table[lo + 1] <= y) ++lo;
         const int64_t hi = std::min(lo + 1, int64_t{255});
         return static_cast<uint8_t>((y - table[lo]) <= (table[hi] - y) ? lo : hi);
